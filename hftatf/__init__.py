@@ -1,0 +1,19 @@
+"""hftatf: horizontally fused training arrays for Keras 3 / TensorFlow.
+
+Train B same-architecture Keras models as one fused model:
+
+    array = hftatf.fuse(model, num_models=4)
+    array.compile(hftatf.optimizers.Adam([1e-3, 3e-4, 1e-4, 3e-5]),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    array.fit(x, y, epochs=5)
+    array.export_models("exported/")
+"""
+
+__version__ = "0.1.0"
+
+from hftatf import layers, optimizers
+from hftatf.fuse import fuse, fuse_models
+from hftatf.model import FusedModel
+
+__all__ = ["FusedModel", "fuse", "fuse_models", "layers", "optimizers"]

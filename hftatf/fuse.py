@@ -1,0 +1,294 @@
+"""fuse, unfuse and fuse_models: between B plain Keras models and an array.
+
+The three are exact inverses: `unfuse(fuse_models(ms))` returns the weights
+of `ms`, and `fuse_models(unfuse(a))` the weights of `a`.
+"""
+
+import keras
+import numpy as np
+
+from hftatf.layers import registry
+from hftatf.layers.fold import BroadcastToModels, has_random_state
+from hftatf.model import FusedModel
+from hftatf.validation import check_num_models
+
+
+def fuse(model, num_models, shared_inputs=True, name=None,
+         model_class=FusedModel):
+    """Turns a functional or Sequential Keras model into an array of B.
+
+    Every layer is mapped to its fused form (`hftatf.layers.registry`); a
+    layer called several times stays one fused layer. The B models start from
+    independent initialisations (each slice as its stock layer would draw
+    it); use `fuse_models` to start from given weights.
+
+    Layers without weights that only see shared inputs (e.g. a `Rescaling`
+    or `Flatten` right after a shared input) run once on the shared batch;
+    the batch is broadcast to the models where a layer first needs
+    per-model activations (a layer with weights, or a random one).
+
+    Args:
+        model: a functional or Sequential `keras.Model` (built, i.e. with
+            known input shapes) made of layers that hftatf fuses.
+        num_models: the number of models `B`.
+        shared_inputs: whether the models share each input batch
+            (`[batch, ...]`, the usual tuning case) or take one batch each
+            (`[batch, B, ...]`); a bool for all inputs or one per input.
+        name: the array's name; defaults to `"fused_" + model.name`.
+        model_class: the `FusedModel` subclass to build.
+
+    Returns:
+        A `FusedModel` whose outputs are `[batch, B, ...]`.
+    """
+    num_models = check_num_models(num_models)
+    _check_fusable(model)
+    inputs = keras.tree.flatten(model.input)
+    if isinstance(shared_inputs, bool):
+        shared_inputs = [shared_inputs] * len(inputs)
+    shared_inputs = list(shared_inputs)
+    if len(shared_inputs) != len(inputs):
+        raise ValueError(
+            f"`shared_inputs` needs one bool per input of model "
+            f"'{model.name}' ({len(inputs)} inputs). Received: "
+            f"shared_inputs={shared_inputs!r}.")
+    walker = _Walker(num_models)
+    new_inputs = [walker.input_like(x, shared)
+                  for x, shared in zip(inputs, shared_inputs)]
+    if isinstance(model, keras.Sequential):
+        outputs = new_inputs[0]
+        for layer in model.layers:
+            outputs = walker(layer, outputs)
+    else:
+        outputs = model._run_through_graph(
+            new_inputs, operation_fn=lambda op: op, call_fn=walker)
+    outputs = keras.tree.map_structure(walker.per_model, outputs)
+    return model_class(
+        keras.tree.pack_sequence_as(model.input, new_inputs),
+        outputs,
+        num_models=num_models,
+        shared_inputs=shared_inputs,
+        source=keras.saving.serialize_keras_object(model),
+        name=name or f"fused_{model.name}",
+    )
+
+
+def _check_fusable(model):
+    if isinstance(model, FusedModel):
+        raise ValueError(
+            f"Model '{model.name}' is already an array of "
+            f"{model.num_models} models. Unfuse it first, or use "
+            "hftatf.fuse_models to stack trained models.")
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "hftatf.fuse expects a keras.Model (functional or Sequential). "
+            f"Received: {model!r} of type {type(model).__name__}.")
+    if not isinstance(model, keras.Sequential) and not hasattr(
+            model, "_nodes_by_depth"):
+        raise ValueError(
+            f"hftatf.fuse needs a functional or Sequential model; model "
+            f"'{model.name}' is a subclassed {type(model).__name__}, whose "
+            "computation Keras cannot inspect. Write it with the fused "
+            "layers of hftatf.layers (and hftatf.FusedModel), or rebuild it "
+            "with the functional API.")
+    try:
+        _ = model.input
+    except (AttributeError, ValueError):
+        raise ValueError(
+            f"Model '{model.name}' has no defined input yet. Give it an "
+            "input shape (keras.Input, or call model.build(shape)) before "
+            "fusing it.") from None
+
+
+class _Walker:
+    """Rebuilds a model's graph with fused layers, tracking which tensors
+    are still shared by all models (`[batch, ...]`)."""
+
+    def __init__(self, num_models):
+        self.num_models = num_models
+        self._shared = {}  # id(tensor) -> (tensor, is shared)
+        self._fused = {}  # id(stock layer) -> fused layer
+        self._stock_copies = {}  # id(stock layer) -> copy for shared inputs
+        self._broadcasts = {}  # id(shared tensor) -> [batch, B, ...] tensor
+
+    def input_like(self, reference, shared):
+        shape = tuple(reference.shape)
+        if not shared:
+            shape = (shape[0], self.num_models, *shape[1:])
+        # Keep the stock input layer's name, so data keyed by input name
+        # (dicts, tf.data) feeds the array as it feeds the stock model.
+        history = getattr(reference, "_keras_history", None)
+        name = history[0].name if history else reference.name
+        tensor = keras.Input(batch_shape=shape, dtype=reference.dtype,
+                             name=name)
+        self._mark(tensor, shared)
+        return tensor
+
+    def _mark(self, outputs, shared):
+        for tensor in keras.tree.flatten(outputs):
+            if isinstance(tensor, keras.KerasTensor):
+                self._shared[id(tensor)] = (tensor, shared)
+
+    def _is_shared(self, tensor):
+        return self._shared.get(id(tensor), (None, False))[1]
+
+    def per_model(self, tensor):
+        """Returns `tensor` as `[batch, B, ...]`, broadcasting if shared."""
+        if not isinstance(tensor, keras.KerasTensor) or not self._is_shared(
+                tensor):
+            return tensor
+        if id(tensor) not in self._broadcasts:
+            broadcast = BroadcastToModels(self.num_models)(tensor)
+            self._mark(broadcast, False)
+            self._broadcasts[id(tensor)] = (tensor, broadcast)
+        return self._broadcasts[id(tensor)][1]
+
+    def __call__(self, layer, *args, **kwargs):
+        tensors = [t for t in keras.tree.flatten((args, kwargs))
+                   if isinstance(t, keras.KerasTensor)]
+        if (tensors and all(self._is_shared(t) for t in tensors)
+                and registry.is_foldable(layer)
+                and not has_random_state(layer)):
+            # Deterministic, per sample, weightless: once for all models.
+            if id(layer) not in self._stock_copies:
+                self._stock_copies[id(layer)] = (
+                    layer, type(layer).from_config(layer.get_config()))
+            outputs = self._stock_copies[id(layer)][1](*args, **kwargs)
+            self._mark(outputs, True)
+            return outputs
+        args, kwargs = keras.tree.map_structure(self.per_model, (args, kwargs))
+        if id(layer) not in self._fused:
+            self._fused[id(layer)] = (
+                layer, registry.fuse_layer(layer, self.num_models))
+        outputs = self._fused[id(layer)][1](*args, **kwargs)
+        self._mark(outputs, False)
+        return outputs
+
+
+def _weighted_layers(model):
+    return [layer for layer in model.layers if layer.weights]
+
+
+def unfuse(array):
+    """Returns the array's B models as plain Keras models with their weights.
+
+    The models have the architecture of the stock model the array was fused
+    from and need no hftatf to run, save or load.
+    """
+    if array.source_config is None:
+        raise ValueError(
+            f"Array '{array.name}' was not made by hftatf.fuse or "
+            "hftatf.fuse_models, so it has no stock architecture to unfuse "
+            "into.")
+    stacked = {layer.name: layer.get_weights() for layer in array.layers
+               if layer.weights}
+    models = []
+    for index in range(array.num_models):
+        # Deserializing consumes the config: take a fresh copy each time.
+        model = keras.saving.deserialize_keras_object(array.source_config)
+        for layer in _weighted_layers(model):
+            layer.set_weights([w[index] for w in stacked[layer.name]])
+        models.append(model)
+    return models
+
+
+def fuse_models(models, shared_inputs=True, name=None):
+    """Stacks B trained plain Keras models of one architecture into an array.
+
+    Model `b` of the array holds `models[b]`'s weights (trainable and not,
+    e.g. BatchNormalization statistics).
+
+    Args:
+        models: a sequence of functional or Sequential Keras models with the
+            same architecture (layer names may differ).
+        shared_inputs, name: as for `hftatf.fuse`.
+    """
+    models = list(models)
+    if not models:
+        raise ValueError("hftatf.fuse_models needs at least one model.")
+    reference = _architecture(models[0])
+    for index, model in enumerate(models[1:], start=1):
+        difference = _first_difference(reference, _architecture(model))
+        if difference:
+            raise ValueError(
+                f"hftatf.fuse_models needs models of one architecture; "
+                f"model {index} ('{model.name}') differs from model 0 "
+                f"('{models[0].name}'): {difference}.")
+    array = fuse(models[0], len(models), shared_inputs=shared_inputs,
+                 name=name)
+    layers = [_weighted_layers(model) for model in models]
+    for position, layer in enumerate(layers[0]):
+        per_model = [model_layers[position].get_weights()
+                     for model_layers in layers]
+        array.get_layer(layer.name).set_weights(
+            [np.stack(weights) for weights in zip(*per_model)])
+    return array
+
+
+# Config keys that do not change what a trained layer computes.
+_IGNORED_KEYS = ("name", "seed")
+
+
+def _architecture(model):
+    """A comparable description of `model`: one entry per layer with its
+    class, its config (layer names replaced by positions, seeds and
+    initializers dropped) and its weight shapes."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"hftatf.fuse_models expects keras.Model objects. Received: "
+            f"{model!r} of type {type(model).__name__}.")
+    positions = {layer.name: f"<layer {i}>"
+                 for i, layer in enumerate(model.layers)}
+    positions[model.name] = "<model>"
+
+    def normalize(value):
+        if isinstance(value, dict):
+            return {k: normalize(v) for k, v in value.items()
+                    if k not in _IGNORED_KEYS and not k.endswith(
+                        "_initializer")}
+        if isinstance(value, (list, tuple)):
+            return [normalize(v) for v in value]
+        if isinstance(value, str):
+            return positions.get(value, value)
+        return value
+
+    config = model.get_config()
+    layer_configs = config.get("layers", [])
+    if isinstance(model, keras.Sequential):
+        layer_configs = layer_configs[1:] if layer_configs and (
+            layer_configs[0].get("class_name") == "InputLayer") else (
+            layer_configs)
+    described = []
+    for i, layer in enumerate(model.layers):
+        layer_config = layer_configs[i] if i < len(layer_configs) else {}
+        described.append({
+            "position": i,
+            "class": type(layer).__name__,
+            "config": normalize(layer_config),
+            "weights": [tuple(w.shape) for w in layer.weights],
+        })
+    return described
+
+
+def _first_difference(reference, other):
+    if len(reference) != len(other):
+        return f"it has {len(other)} layers instead of {len(reference)}"
+    for ours, theirs in zip(reference, other):
+        for key in ("class", "weights", "config"):
+            if ours[key] != theirs[key]:
+                what = {"class": "class", "weights": "weight shapes",
+                        "config": "configuration"}[key]
+                detail = (f"{theirs[key]} instead of {ours[key]}"
+                          if key != "config" else _config_difference(
+                              ours[key], theirs[key]))
+                return (f"layer {ours['position']} ({ours['class']}) has "
+                        f"another {what}: {detail}")
+    return None
+
+
+def _config_difference(ours, theirs, path=""):
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                return _config_difference(ours.get(key), theirs.get(key),
+                                          f"{path}.{key}" if path else key)
+    return f"{path or 'config'} is {theirs!r} instead of {ours!r}"

@@ -1,0 +1,182 @@
+"""The base class of fused layers with weights, and per-model weight helpers.
+
+A fused layer is its stock Keras layer vectorised over the model axis:
+activations are `[batch, B, ...]`, and every weight is `[B, *stock shape]`, in
+the order of the stock layer's `get_weights()`. Model `b` computes what the
+stock layer computes with weights `w[b]` on input `x[:, b]`.
+"""
+
+import keras
+from keras import ops
+
+from hftatf.validation import check_num_models
+
+
+def model_initializers(initializer, num_models):
+    """Returns one initializer per model slice, each drawing its own values.
+
+    Stock initializers seeded with an integer (or unseeded, which Keras turns
+    into a fixed default seed) draw the same values on every call, so the
+    slices get distinct seeds: `seed + b` for an integer seed (model 0 starts
+    exactly as the stock layer with that seed would), a fresh default seed
+    per slice when unseeded. Initializers without a seed are called per slice
+    as they are; so is one seeded with a `SeedGenerator`, which advances.
+    """
+    initializer = keras.initializers.get(initializer)
+    get_config = getattr(initializer, "get_config", None)
+    config = get_config() if get_config is not None else {}
+    if "seed" not in config or isinstance(config["seed"], dict):
+        return [initializer] * num_models
+    seed = config["seed"]
+    cls = type(initializer)
+    return [
+        cls.from_config({**config, "seed": None if seed is None else seed + b})
+        for b in range(num_models)
+    ]
+
+
+class StackedInitializer:
+    """Initializes a `[B, *shape]` weight slice by slice.
+
+    Each slice is initialised as a stock layer would initialise its own
+    weight of shape `shape`, so fan-in and fan-out never count `B`.
+    """
+
+    def __init__(self, initializer, num_models):
+        self.initializers = model_initializers(initializer, num_models)
+
+    def __call__(self, shape, dtype=None):
+        per_model = tuple(shape[1:])
+        return ops.stack([init(per_model, dtype=dtype)
+                          for init in self.initializers])
+
+
+class ModelwiseRegularizer:
+    """Applies a stock regularizer to each model slice: returns a `[B]` loss.
+
+    The array's training step adds entry `b` to model `b`'s loss, so every
+    model is penalised exactly as its stock twin.
+    """
+
+    def __init__(self, regularizer, num_models):
+        self.regularizer = keras.regularizers.get(regularizer)
+        self.num_models = num_models
+
+    def __call__(self, weight):
+        return ops.stack([self.regularizer(weight[b])
+                          for b in range(self.num_models)])
+
+
+class ModelwiseConstraint:
+    """Applies a stock constraint (e.g. `MaxNorm(axis=0)`) to each slice."""
+
+    def __init__(self, constraint, num_models):
+        self.constraint = keras.constraints.get(constraint)
+        self.num_models = num_models
+
+    def __call__(self, weight):
+        return ops.stack([self.constraint(weight[b])
+                          for b in range(self.num_models)])
+
+
+def broadcast_to_models(values, ndim):
+    """Reshapes a `[B]` vector to `[B, 1, ..., 1]` of rank `ndim`."""
+    return ops.reshape(values, (-1,) + (1,) * (ndim - 1))
+
+
+class FusedLayer(keras.layers.Layer):
+    """Base class of fused layers that hold weights.
+
+    Subclasses take `num_models` plus exactly the arguments of their stock
+    layer, create weights with `add_model_weight`, and compute on activations
+    whose axis 1 is the model axis.
+
+    State and the model axis: weights and non-trainable statistics always
+    carry it (`[B, ...]`); regularizers, constraints and the activity
+    regularizer are applied per model slice, and regularization losses are
+    `[B]` vectors (entry `b` belongs to model `b`).
+
+    Args:
+        num_models: the number of models `B` in the array.
+        activity_regularizer: as in the stock layer; applied to each model's
+            output slice and divided by the batch size, like Keras does.
+        **kwargs: the stock `keras.layers.Layer` arguments (`name`, `dtype`,
+            `trainable`, ...).
+    """
+
+    def __init__(self, num_models, activity_regularizer=None, **kwargs):
+        super().__init__(**kwargs)
+        self.num_models = check_num_models(num_models)
+        self.model_activity_regularizer = keras.regularizers.get(
+            activity_regularizer
+        )
+
+    @classmethod
+    def from_stock(cls, layer, num_models):
+        """Builds the fused form of the stock `layer` (weights not copied)."""
+        return cls.from_config({**layer.get_config(), "num_models": num_models})
+
+    def add_model_weight(self, shape, name, initializer, regularizer=None,
+                         constraint=None, trainable=True, dtype=None):
+        """Adds a `[B, *shape]` weight, each slice initialised separately."""
+        return self.add_weight(
+            shape=(self.num_models, *shape),
+            name=name,
+            initializer=StackedInitializer(initializer, self.num_models),
+            regularizer=(
+                ModelwiseRegularizer(regularizer, self.num_models)
+                if regularizer is not None else None
+            ),
+            constraint=(
+                ModelwiseConstraint(constraint, self.num_models)
+                if constraint is not None else None
+            ),
+            trainable=trainable,
+            dtype=dtype,
+        )
+
+    def get_model_weights(self, index):
+        """Returns model `index`'s weights, in the stock layer's order."""
+        return [w[index] for w in self.get_weights()]
+
+    def set_model_weights(self, index, weights):
+        """Sets model `index`'s weights from a stock layer's `get_weights()`."""
+        variables = self.weights
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"Layer '{self.name}' holds {len(variables)} weights per "
+                f"model; received {len(weights)}."
+            )
+        for variable, value in zip(variables, weights):
+            if tuple(value.shape) != tuple(variable.shape[1:]):
+                raise ValueError(
+                    f"Weight '{variable.path}' of layer '{self.name}' has "
+                    f"per-model shape {tuple(variable.shape[1:])}; received "
+                    f"shape {tuple(value.shape)}."
+                )
+            stacked = keras.ops.convert_to_numpy(variable).copy()
+            stacked[index] = value
+            variable.assign(stacked)
+
+    def __call__(self, *args, **kwargs):
+        outputs = super().__call__(*args, **kwargs)
+        if self.model_activity_regularizer is not None:
+            for output in keras.tree.flatten(outputs):
+                if keras.backend.is_tensor(output):
+                    self.add_loss(self._activity_loss(output))
+        return outputs
+
+    def _activity_loss(self, output):
+        regularizer = self.model_activity_regularizer
+        losses = ops.stack([regularizer(output[:, b])
+                            for b in range(self.num_models)])
+        batch_size = ops.cast(ops.shape(output)[0], losses.dtype)
+        return ops.divide_no_nan(losses, batch_size)
+
+    def get_config(self):
+        config = super().get_config()
+        config["num_models"] = self.num_models
+        config["activity_regularizer"] = keras.regularizers.serialize(
+            self.model_activity_regularizer
+        )
+        return config

@@ -1,0 +1,57 @@
+"""The one map from stock Keras layer classes to their fused forms."""
+
+_FUSED_FORMS = {}
+
+
+def register(*stock_classes):
+    """Class decorator: registers the decorated class as the fused form of
+    each of `stock_classes`.
+
+    The fused form must provide `from_stock(layer, num_models)`. Lookup is by
+    exact class: a subclass of a stock layer may change its computation, so
+    it is not fused as its parent.
+    """
+
+    def decorator(fused_form):
+        for stock_class in stock_classes:
+            _FUSED_FORMS[stock_class] = fused_form
+        return fused_form
+
+    return decorator
+
+
+def is_supported(layer):
+    """Whether `hftatf.fuse` can fuse `layer`."""
+    return type(layer) in _FUSED_FORMS
+
+
+def is_foldable(layer):
+    """Whether `layer` is a weightless per-sample layer (fused by folding)."""
+    from hftatf.layers.fold import FusedFold
+
+    return _FUSED_FORMS.get(type(layer)) is FusedFold
+
+
+def fused_form(layer):
+    """Returns the fused class for the stock `layer`, or raises ValueError."""
+    try:
+        return _FUSED_FORMS[type(layer)]
+    except KeyError:
+        supported = ", ".join(sorted(c.__name__ for c in _FUSED_FORMS))
+        raise ValueError(
+            f"hftatf cannot fuse layer '{layer.name}' of class "
+            f"{type(layer).__module__}.{type(layer).__name__}: it has no fused "
+            f"form. Supported layers: {supported}. Write this part of the "
+            "model with hftatf.layers directly, or register a fused form "
+            "with hftatf.layers.registry.register."
+        ) from None
+
+
+def fuse_layer(layer, num_models):
+    """Returns the fused form of the stock `layer` (weights not copied)."""
+    return fused_form(layer).from_stock(layer, num_models)
+
+
+def supported_layers():
+    """The stock layer classes that `hftatf.fuse` can fuse."""
+    return sorted(_FUSED_FORMS, key=lambda c: c.__name__)

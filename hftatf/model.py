@@ -1,0 +1,437 @@
+"""FusedModel: an array of B models trained, evaluated and served as one."""
+
+import json
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+# CompileLoss and CompileMetrics are what stock `Model.compile` builds; one
+# per model gives every model exactly the stock loss and metric semantics
+# (string names, nested outputs, loss weights, "accuracy" resolution).
+from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
+from keras.src.trainers.trainer import model_supports_jit
+
+from hftatf import optimizers as fused_optimizers
+from hftatf.api import hftatf_export
+from hftatf.validation import check_num_models
+
+
+class PerModelMean(keras.metrics.Metric):
+    """Running mean of a `[B]` vector (one value per model), batch-weighted."""
+
+    def __init__(self, num_models, name="loss", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_models = num_models
+        self.total = self.add_variable((num_models,), "zeros", name="total")
+        self.count = self.add_variable((), "zeros", name="count")
+
+    def update_state(self, values, sample_weight=1.0):
+        weight = ops.cast(sample_weight, self.dtype)
+        self.total.assign_add(ops.cast(values, self.dtype) * weight)
+        self.count.assign_add(weight)
+
+    def result(self):
+        return ops.divide_no_nan(self.total, self.count)
+
+    def get_config(self):
+        return {**super().get_config(), "num_models": self.num_models}
+
+
+def _clone_metrics(metrics):
+    """Returns `metrics` with every Metric object replaced by a fresh copy,
+    so that each model of the array keeps its own metric state."""
+
+    def clone(metric):
+        if isinstance(metric, keras.metrics.Metric):
+            return type(metric).from_config(metric.get_config())
+        return metric
+
+    return keras.tree.map_structure(clone, metrics, none_is_leaf=True) if (
+        metrics is not None) else None
+
+
+def _same_shape(a, b):
+    return len(a) == len(b) and all(
+        x is None or y is None or x == y for x, y in zip(a, b))
+
+
+@hftatf_export
+class FusedModel(keras.Model):
+    """An array of `num_models` same-architecture models trained as one.
+
+    Layout: every output is `[batch, B, ...]` (model `b`'s output is
+    `y[:, b]`). Each input is either shared by all models (`[batch, ...]`)
+    or given per model (`[batch, B, ...]`). Labels may be shared
+    (`[batch, ...]`) or per model (`[batch, B, ...]`), and so may sample
+    weights (`[batch, B, ...]` is per model when the labels are).
+
+    Training: each model's loss is exactly the loss a stock Keras model would
+    compute on its own outputs (its mean over the batch, its regularization
+    losses); the array minimises their sum, so each model's gradient is its
+    own. Logs carry `loss` (the mean over models) and `loss_0` ...
+    `loss_{B-1}`, and likewise every metric (`accuracy`, `accuracy_0`, ...),
+    so stock callbacks and the progress bar read them.
+
+    Build one with `hftatf.fuse(model, num_models)` or
+    `hftatf.fuse_models(models)`; or construct it like a functional model
+    from `hftatf.layers`: `FusedModel(inputs, outputs, num_models=B)`.
+
+    Args:
+        inputs, outputs: as for a functional `keras.Model`.
+        num_models: the number of models `B`.
+        shared_inputs: one bool per input (or one for all): whether that
+            input is shared by all models. Defaults to True for inputs of
+            rank one less than the model's per-model inputs would have.
+        source: the serialized stock model this array was fused from (set by
+            `hftatf.fuse`); lets `unfuse` and saving rebuild it.
+        **kwargs: `name`, `trainable`, as for `keras.Model`.
+    """
+
+    def __init__(self, inputs, outputs, num_models, shared_inputs=True,
+                 source=None, **kwargs):
+        super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        self.num_models = check_num_models(num_models)
+        if isinstance(shared_inputs, bool):
+            shared_inputs = [shared_inputs] * len(self.inputs)
+        if len(shared_inputs) != len(self.inputs):
+            raise ValueError(
+                f"`shared_inputs` needs one bool per input ({len(self.inputs)}"
+                f" inputs). Received: shared_inputs={shared_inputs!r}."
+            )
+        self._shared_inputs = tuple(bool(s) for s in shared_inputs)
+        # Kept as text so that Keras' attribute tracking leaves it alone.
+        self._source_json = None if source is None else json.dumps(source)
+        self._per_model_labels = None
+        self._model_losses = None
+        self._model_metrics = None
+        self._model_loss_tracker = None
+
+    @property
+    def shared_inputs(self):
+        """One bool per input: whether all models share that input."""
+        return self._shared_inputs
+
+    @property
+    def source_config(self):
+        """The serialized stock model this array was fused from, or None."""
+        return None if self._source_json is None else json.loads(
+            self._source_json)
+
+    # -- calling ------------------------------------------------------------
+
+    @property
+    def input_spec(self):
+        # Inputs are checked in `call`, with messages about the model axis.
+        return None
+
+    @input_spec.setter
+    def input_spec(self, value):
+        pass
+
+    def call(self, inputs, training=None, mask=None):
+        for tensor, reference, shared in zip(
+                keras.tree.flatten(inputs), self.inputs, self._shared_inputs):
+            self._check_input(tensor, reference, shared)
+        return super().call(inputs, training=training, mask=mask)
+
+    def _check_input(self, tensor, reference, shared):
+        shape, expected = tuple(tensor.shape), tuple(reference.shape)
+        if len(shape) == len(expected) and _same_shape(shape[1:],
+                                                       expected[1:]):
+            return
+        name = reference.name
+        B = self.num_models
+        if shared:
+            hint = (
+                " It looks like one batch per model; fuse with "
+                "shared_inputs=False to give each model its own input."
+                if len(shape) == len(expected) + 1 and shape[1] == B else "")
+            raise ValueError(
+                f"Input '{name}' is shared by the {B} models of the array and "
+                f"must have shape {expected} ([batch, ...] as for the stock "
+                f"model). Received shape {shape}.{hint}")
+        hint = (
+            " It looks like one batch for all models; fuse with "
+            "shared_inputs=True to share an input."
+            if len(shape) == len(expected) - 1 else "")
+        raise ValueError(
+            f"Input '{name}' takes one batch per model: it must have shape "
+            f"{expected}, i.e. [batch, num_models={B}, ...] with the model "
+            f"axis at 1. Received shape {shape}.{hint}")
+
+    # -- compiling ----------------------------------------------------------
+
+    def compile(self, optimizer="rmsprop", loss=None, loss_weights=None,
+                metrics=None, weighted_metrics=None, run_eagerly=False,
+                steps_per_execution=1, jit_compile="auto",
+                per_model_labels=None, auto_scale_loss=True):
+        """Configures the array for training, as `keras.Model.compile`.
+
+        Args:
+            optimizer: a fused optimizer (`hftatf.optimizers.Adam(...)`), its
+                name, or a stock Keras optimizer of the same name (converted:
+                every model gets its hyper-parameters).
+            loss, loss_weights, metrics, weighted_metrics: as in Keras; every
+                model gets its own loss and its own copy of every metric.
+            run_eagerly, steps_per_execution: as in Keras.
+            jit_compile: as in Keras, except that `"auto"` turns XLA on
+                wherever the model supports it and no distribution strategy
+                is active, CPU included: fused arrays gain from it there too.
+            per_model_labels: None to tell shared labels (`[batch, ...]`)
+                from per-model labels (`[batch, B, ...]`) by their shape;
+                True or False to say which.
+            auto_scale_loss: as in Keras.
+        """
+        optimizer = fused_optimizers.get(optimizer)
+        optimizer.num_models = self.num_models
+        super().compile(
+            optimizer=optimizer, loss=loss, loss_weights=loss_weights,
+            metrics=None, weighted_metrics=None, run_eagerly=run_eagerly,
+            steps_per_execution=steps_per_execution, jit_compile=jit_compile,
+            auto_scale_loss=auto_scale_loss)
+        self._per_model_labels = per_model_labels
+        output_names = getattr(self, "output_names", None)
+        self._model_losses = None
+        if loss is not None:
+            self._model_losses = [
+                CompileLoss(loss, loss_weights, output_names=output_names)
+                for _ in range(self.num_models)]
+        self._model_metrics = None
+        if metrics is not None or weighted_metrics is not None:
+            self._model_metrics = [
+                CompileMetrics(_clone_metrics(metrics),
+                               _clone_metrics(weighted_metrics),
+                               output_names=output_names)
+                for _ in range(self.num_models)]
+        self._model_loss_tracker = PerModelMean(self.num_models, name="loss")
+        self._compile_config.config.update(
+            metrics=metrics, weighted_metrics=weighted_metrics,
+            per_model_labels=per_model_labels)
+
+    def compile_from_config(self, config):
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def _resolve_auto_jit_compile(self):
+        if self._distribute_strategy:
+            return False
+        return model_supports_jit(self)
+
+    # -- losses -------------------------------------------------------------
+
+    def _is_per_model(self, label, prediction):
+        """Whether `label` is `[batch, B, ...]` (per model) rather than
+        `[batch, ...]` (shared), judged against the array's prediction."""
+        if self._per_model_labels is not None:
+            return bool(self._per_model_labels)
+        label_shape, pred_shape = tuple(label.shape), tuple(prediction.shape)
+        if len(label_shape) == len(pred_shape):
+            return True
+        if len(label_shape) != len(pred_shape) - 1:
+            return False
+        per_model_sparse = label_shape[1] in (None, self.num_models) and (
+            _same_shape(label_shape[2:], pred_shape[2:-1]))
+        shared = _same_shape(label_shape[1:], pred_shape[2:]) or (
+            _same_shape(label_shape[1:], (*pred_shape[2:-1], 1)))
+        if per_model_sparse and shared:
+            # E.g. shared one-hot labels of B classes, or per-model class ids:
+            # class ids are integers.
+            return "int" in str(label.dtype)
+        if not (per_model_sparse or shared):
+            raise ValueError(
+                f"Cannot match labels of shape {label_shape} to the array's "
+                f"output of shape {pred_shape} ([batch, num_models, ...]). "
+                "Give labels shared by all models as [batch, ...] (as for "
+                "the stock model) or per model as [batch, num_models, ...].")
+        return per_model_sparse
+
+    def _model_targets(self, y, y_pred, sample_weight, index):
+        """Model `index`'s slice of predictions, labels and sample weights."""
+        pred = keras.tree.map_structure(lambda t: t[:, index], y_pred)
+        if y is None:
+            return None, pred, sample_weight
+        flat_y, flat_pred = keras.tree.flatten(y), keras.tree.flatten(y_pred)
+        pairs = (zip(flat_y, flat_pred) if len(flat_y) == len(flat_pred)
+                 else ((t, None) for t in flat_y))
+        per_model = [p is not None and self._is_per_model(t, p)
+                     if self._per_model_labels is None
+                     else bool(self._per_model_labels) for t, p in pairs]
+        labels = keras.tree.pack_sequence_as(y, [
+            t[:, index] if slice_it else t
+            for t, slice_it in zip(flat_y, per_model)])
+        if sample_weight is not None and any(per_model):
+            sample_weight = keras.tree.map_structure(
+                lambda w: w[:, index] if len(w.shape) >= 2 and (
+                    w.shape[1] == self.num_models) else w, sample_weight)
+        return labels, pred, sample_weight
+
+    def compute_model_losses(self, x=None, y=None, y_pred=None,
+                             sample_weight=None, training=True):
+        """Returns the `[B]` vector of per-model losses.
+
+        Entry `b` is what a stock Keras model would report as its loss for
+        model `b`: the compiled loss of its outputs plus its regularization
+        losses. A scalar loss added with `add_loss` belongs to no single
+        model; it is split evenly between them.
+        """
+        del x, training
+        losses = []
+        for index in range(self.num_models):
+            labels, pred, weights = self._model_targets(
+                y, y_pred, sample_weight, index)
+            loss = None
+            if self._model_losses is not None:
+                loss = self._model_losses[index](labels, pred, weights)
+            losses.append(ops.zeros(()) if loss is None else loss)
+        losses = ops.stack(losses)
+        for extra in self.losses:
+            if not keras.backend.is_float_dtype(extra.dtype):
+                extra = ops.cast(extra, keras.backend.floatx())
+            extra = ops.cast(extra, losses.dtype)
+            if tuple(extra.shape) == (self.num_models,):
+                losses = losses + extra
+            else:
+                losses = losses + ops.sum(extra) / self.num_models
+        return losses
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
+                     training=True):
+        """The array's objective: the sum of the per-model losses."""
+        return ops.sum(self.compute_model_losses(
+            x, y, y_pred, sample_weight, training=training))
+
+    # -- steps --------------------------------------------------------------
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            losses = self.compute_model_losses(
+                x, y, y_pred, sample_weight, training=True)
+            loss = self.optimizer.scale_loss(ops.sum(losses))
+        if self.trainable_weights:
+            gradients = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply_gradients(
+                zip(gradients, self.trainable_weights))
+        else:
+            warnings.warn("The array does not have any trainable weights.",
+                          stacklevel=2)
+        return self._track(x, y, y_pred, sample_weight, losses)
+
+    def test_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        losses = self.compute_model_losses(
+            x, y, y_pred, sample_weight, training=False)
+        return self._track(x, y, y_pred, sample_weight, losses)
+
+    def _track(self, x, y, y_pred, sample_weight, losses):
+        batch_size = ops.shape(keras.tree.flatten(x)[0])[0]
+        self._model_loss_tracker.update_state(
+            unscale_loss_for_distribution(losses), sample_weight=batch_size)
+        if self._model_metrics is not None and y is not None:
+            for index, metrics in enumerate(self._model_metrics):
+                labels, pred, weights = self._model_targets(
+                    y, y_pred, sample_weight, index)
+                metrics.update_state(labels, pred, weights)
+        return self.get_metrics_result()
+
+    # -- metrics ------------------------------------------------------------
+
+    @property
+    def metrics(self):
+        metrics = []
+        if self.compiled and self._model_loss_tracker is not None:
+            metrics.append(self._model_loss_tracker)
+            for group in (self._model_metrics, self._model_losses):
+                for per_model in group or ():
+                    metrics.extend(per_model.metrics if isinstance(
+                        per_model, CompileLoss) else [per_model])
+        metrics.extend(self._user_metrics())
+        for layer in self._flatten_layers(include_self=False):
+            if not isinstance(layer, keras.Model):
+                metrics.extend(layer.metrics)
+        return metrics
+
+    def get_metrics_result(self):
+        """Logs: each per-model value as `name_b`, and their mean as `name`."""
+        if self._model_loss_tracker is None:
+            return super().get_metrics_result()
+        per_model = {"loss": list(ops.unstack(
+            self._model_loss_tracker.result()))}
+        groups = [m for m in self._model_metrics or ()]
+        groups += [m for m in self._model_losses or ()]
+        for index, group in enumerate(groups):
+            index %= self.num_models
+            results = {m.name: m.result() for m in group.metrics} if (
+                isinstance(group, CompileLoss)) else group.result()
+            for name, value in results.items():
+                per_model.setdefault(name, [None] * self.num_models)
+                per_model[name][index] = value
+        logs = {}
+        for name, values in per_model.items():
+            logs[name] = ops.mean(ops.stack(values))
+            for index, value in enumerate(values):
+                logs[f"{name}_{index}"] = value
+        for metric in self._user_metrics():
+            logs[metric.name] = metric.result()
+        return logs
+
+    def _user_metrics(self):
+        """Metrics attached to the array by its user (Keras tracks the
+        array's own per-model trackers there too; they are left out)."""
+        own = {id(self._model_loss_tracker)}
+        own.update(id(m) for m in self._model_metrics or ())
+        own.update(id(m) for m in self._model_losses or ())
+        return [m for m in self._metrics if id(m) not in own]
+
+    # -- the array's models -------------------------------------------------
+
+    def unfuse(self):
+        """Returns the B models as plain Keras models with their weights."""
+        from hftatf.fuse import unfuse
+
+        return unfuse(self)
+
+    def export_models(self, directory, history=None):
+        """Writes each model as `.keras`, SavedModel and metadata; see
+        `hftatf.export.export_models`."""
+        from hftatf.export import export_models
+
+        return export_models(self, directory, history=history)
+
+    # -- serialization ------------------------------------------------------
+
+    def get_config(self):
+        if self._source_json is None:
+            config = super().get_config()
+        else:
+            config = {"name": self.name, "trainable": self.trainable,
+                      "source": self.source_config}
+        config.update(num_models=self.num_models,
+                      shared_inputs=list(self._shared_inputs))
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        num_models = config.pop("num_models")
+        shared_inputs = config.pop("shared_inputs", True)
+        source = config.pop("source", None)
+        if source is not None:
+            from hftatf.fuse import fuse
+
+            stock = keras.saving.deserialize_keras_object(
+                source, custom_objects=custom_objects)
+            array = fuse(stock, num_models, shared_inputs=shared_inputs,
+                         name=config.get("name"), model_class=cls)
+            array.trainable = config.get("trainable", True)
+            return array
+        graph = keras.Model.from_config(config, custom_objects=custom_objects)
+        return cls(graph.inputs, graph.outputs, num_models=num_models,
+                   shared_inputs=shared_inputs, name=graph.name)

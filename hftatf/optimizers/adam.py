@@ -1,0 +1,79 @@
+"""Fused Adam."""
+
+from keras import ops
+
+from hftatf.api import hftatf_export
+from hftatf.optimizers.base import FusedOptimizer
+
+
+@hftatf_export
+class Adam(FusedOptimizer):
+    """`keras.optimizers.Adam` for an array: per-model hyper-parameters.
+
+    Model `b`'s slice of every variable is updated exactly as the stock
+    optimizer with `learning_rate[b]`, `beta_1[b]`, `beta_2[b]` and
+    `epsilon[b]` would update it, AMSGrad included.
+
+    Args:
+        learning_rate: a float, a length-B sequence, a
+            `LearningRateSchedule`, or a length-B sequence of schedules.
+            Defaults to 0.001.
+        beta_1, beta_2, epsilon: floats or length-B sequences; defaults 0.9,
+            0.999 and 1e-7, as in Keras.
+        amsgrad: whether to apply AMSGrad (shared by all models).
+        **kwargs: the other arguments of `hftatf.optimizers.FusedOptimizer`
+            (`weight_decay`, `clipnorm`, `clipvalue`, `global_clipnorm`,
+            `use_ema`, ..., `name`, `num_models`).
+    """
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
+                 epsilon=1e-7, amsgrad=False, **kwargs):
+        super().__init__(
+            learning_rate=learning_rate,
+            hyperparameters={"beta_1": beta_1, "beta_2": beta_2,
+                             "epsilon": epsilon},
+            **kwargs,
+        )
+        self.amsgrad = bool(amsgrad)
+
+    def build(self, variables):
+        if self.built:
+            return
+        super().build(variables)
+        self._momentums, self._velocities = self.add_optimizer_variables(
+            variables, ["momentum", "velocity"])
+        if self.amsgrad:
+            self._velocity_hats = self.add_optimizer_variables(
+                variables, "velocity_hat")
+
+    def update_step(self, gradient, variable, learning_rate):
+        lr = self._per_model(learning_rate, variable)
+        gradient = ops.cast(gradient, variable.dtype)
+        beta_1 = self._hyper("beta_1", variable)
+        beta_2 = self._hyper("beta_2", variable)
+        epsilon = self._hyper("epsilon", variable)
+        local_step = ops.cast(self.iterations + 1, variable.dtype)
+        beta_1_power = ops.power(beta_1, local_step)
+        beta_2_power = ops.power(beta_2, local_step)
+
+        index = self._get_variable_index(variable)
+        m = self._momentums[index]
+        v = self._velocities[index]
+
+        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+
+        self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1 - beta_1))
+        self.assign_add(
+            v, ops.multiply(ops.subtract(ops.square(gradient), v), 1 - beta_2))
+        if self.amsgrad:
+            v_hat = self._velocity_hats[index]
+            self.assign(v_hat, ops.maximum(v_hat, v))
+            v = v_hat
+        self.assign_sub(
+            variable,
+            ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), epsilon)))
+
+    def get_config(self):
+        config = super().get_config()
+        config["amsgrad"] = self.amsgrad
+        return config

@@ -1,0 +1,33 @@
+"""Checks on user input shared by layers, optimizers and models."""
+
+import numbers
+
+
+def check_num_models(num_models):
+    """Returns `num_models` as an int, or raises a ValueError that says why."""
+    if isinstance(num_models, bool) or not isinstance(
+        num_models, numbers.Integral
+    ):
+        raise TypeError(
+            "`num_models` must be a positive integer (the number of models in "
+            f"the array). Received: num_models={num_models!r} of type "
+            f"{type(num_models).__name__}."
+        )
+    if num_models < 1:
+        raise ValueError(
+            "`num_models` must be a positive integer (the number of models in "
+            f"the array). Received: num_models={num_models}. Use "
+            "num_models=1 for a single model."
+        )
+    return int(num_models)
+
+
+def check_model_axis(layer_name, num_models, shape):
+    """Raises a ValueError unless axis 1 of `shape` is a model axis of B."""
+    if len(shape) < 2 or shape[1] not in (None, num_models):
+        raise ValueError(
+            f"Layer '{layer_name}' of an array of {num_models} models expects "
+            "inputs of shape [batch, num_models, ...] with "
+            f"num_models={num_models} on axis 1. Received input shape "
+            f"{tuple(shape)}."
+        )

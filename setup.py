@@ -1,0 +1,47 @@
+"""Installs hftatf, with the model zoo and launchers under its namespace."""
+
+import pathlib
+import re
+
+import setuptools
+
+HERE = pathlib.Path(__file__).parent
+VERSION = re.search(
+    r'__version__ = "([^"]+)"', (HERE / "hftatf" / "__init__.py").read_text()
+).group(1)
+
+setuptools.setup(
+    name="hftatf",
+    version=VERSION,
+    description=(
+        "Horizontally fused training arrays for Keras 3 / TensorFlow: train B "
+        "same-architecture models as one fused model."
+    ),
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    # `models/` and `tpu/` live at the top of the repository but install as
+    # `hftatf.models` and `hftatf.tpu`, never as top-level packages.
+    packages=["hftatf", "hftatf.layers", "hftatf.optimizers", "hftatf.models",
+              "hftatf.tpu"],
+    package_dir={
+        "hftatf": "hftatf",
+        "hftatf.models": "models",
+        "hftatf.tpu": "tpu",
+    },
+    install_requires=[
+        "tensorflow>=2.21,<2.22",
+        "keras>=3.15,<4",
+        "absl-py>=2.1",
+        "numpy>=1.26",
+    ],
+    extras_require={
+        "data": ["scikit-learn>=1.4"],
+        "plot": ["matplotlib>=3.8"],
+        "dev": ["pytest>=8", "ruff>=0.6", "scikit-learn>=1.4"],
+    },
+    entry_points={
+        "console_scripts": ["hftatf-train = hftatf.tpu.train:run"],
+    },
+)
