@@ -12,8 +12,17 @@ Train B same-architecture Keras models as one fused model:
 
 __version__ = "0.1.0"
 
-from hftatf import layers, optimizers
+from hftatf import export, layers, optimizers
+from hftatf.export import export_models
 from hftatf.fuse import fuse, fuse_models
 from hftatf.model import FusedModel
 
-__all__ = ["FusedModel", "fuse", "fuse_models", "layers", "optimizers"]
+__all__ = [
+    "FusedModel",
+    "export",
+    "export_models",
+    "fuse",
+    "fuse_models",
+    "layers",
+    "optimizers",
+]

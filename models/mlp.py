@@ -1,0 +1,30 @@
+"""Multi-layer perceptron classifiers."""
+
+import keras
+
+
+def build(input_shape, hidden_units=(128, 64), num_classes=10,
+          activation="relu", dropout=0.0, name="mlp"):
+    """Returns a plain functional MLP classifier (softmax outputs).
+
+    Args:
+        input_shape: shape of one sample, e.g. `(8, 8)` or `(64,)`; inputs of
+            rank above one are flattened.
+        hidden_units: width of each hidden Dense layer.
+        num_classes: number of output classes.
+        activation: activation of the hidden layers.
+        dropout: dropout rate after each hidden layer (0 for none).
+        name: the model's name.
+    """
+    inputs = keras.Input(shape=tuple(input_shape), name="features")
+    x = inputs
+    if len(input_shape) > 1:
+        x = keras.layers.Flatten(name="flatten")(x)
+    for i, units in enumerate(hidden_units):
+        x = keras.layers.Dense(units, activation=activation,
+                               name=f"hidden_{i}")(x)
+        if dropout:
+            x = keras.layers.Dropout(dropout, name=f"dropout_{i}")(x)
+    outputs = keras.layers.Dense(num_classes, activation="softmax",
+                                 name="classifier")(x)
+    return keras.Model(inputs, outputs, name=name)

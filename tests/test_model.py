@@ -1,0 +1,207 @@
+"""FusedModel training against B stock Keras models (the oracle)."""
+
+import keras
+import numpy as np
+import pytest
+from testing import assert_close
+
+import hftatf
+
+B = 4
+LEARNING_RATES = [0.05, 0.1, 0.02, 0.2]
+
+
+def mlp(inputs=6, classes=3):
+    x = keras.Input((inputs,), name="x")
+    h = keras.layers.Dense(16, activation="relu", name="h1")(x)
+    h = keras.layers.Dense(8, activation="tanh", name="h2")(h)
+    y = keras.layers.Dense(classes, activation="softmax", name="out")(h)
+    return keras.Model(x, y, name="mlp")
+
+
+def data(n=80, inputs=6, classes=3, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, inputs)).astype("float32")
+    y = rng.integers(0, classes, size=n).astype("int32")
+    return x, y
+
+
+def stock_copies(array):
+    """B stock models holding the array's current weights."""
+    return array.unfuse()
+
+
+OPTIMIZERS = {
+    "sgd_momentum": (
+        lambda: hftatf.optimizers.SGD(LEARNING_RATES, momentum=0.9),
+        lambda b: keras.optimizers.SGD(LEARNING_RATES[b], momentum=0.9)),
+    "adam": (
+        lambda: hftatf.optimizers.Adam([lr / 10 for lr in LEARNING_RATES]),
+        lambda b: keras.optimizers.Adam(LEARNING_RATES[b] / 10)),
+}
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_fit_matches_stock_models(optimizer):
+    fused_optimizer, stock_optimizer = OPTIMIZERS[optimizer]
+    x, y = data()
+    array = hftatf.fuse(mlp(), B)
+    stock = stock_copies(array)
+    array.compile(fused_optimizer(), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    # 80 samples / batch 16 = 5 steps per epoch: 20 steps.
+    history = array.fit(x, y, batch_size=16, epochs=4, shuffle=False,
+                        verbose=0)
+    for b, model in enumerate(stock):
+        model.compile(stock_optimizer(b),
+                      loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"])
+        stock_history = model.fit(x, y, batch_size=16, epochs=4,
+                                  shuffle=False, verbose=0)
+        trained = array.unfuse()[b]
+        for ours, theirs in zip(trained.weights, model.weights):
+            assert_close(ours, theirs, err_msg=f"model {b} {theirs.path}")
+        assert_close(history.history[f"loss_{b}"],
+                     stock_history.history["loss"], atol=1e-5)
+        assert_close(history.history[f"accuracy_{b}"],
+                     stock_history.history["accuracy"])
+    losses = [history.history[f"loss_{b}"][-1] for b in range(B)]
+    assert_close(history.history["loss"][-1], np.mean(losses))
+    # The models really were trained with different learning rates.
+    finals = [m.get_weights()[0] for m in array.unfuse()]
+    assert not np.allclose(finals[0], finals[1])
+
+
+def test_per_model_inputs_and_labels_match_stock():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, B, 6)).astype("float32")
+    y = rng.integers(0, 3, size=(32, B)).astype("int32")
+    array = hftatf.fuse(mlp(), B, shared_inputs=False)
+    stock = stock_copies(array)
+    array.compile(hftatf.optimizers.SGD(LEARNING_RATES),
+                  loss="sparse_categorical_crossentropy")
+    array.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    for b, model in enumerate(stock):
+        model.compile(keras.optimizers.SGD(LEARNING_RATES[b]),
+                      loss="sparse_categorical_crossentropy")
+        model.fit(x[:, b], y[:, b], batch_size=8, epochs=2, shuffle=False,
+                  verbose=0)
+        for ours, theirs in zip(array.unfuse()[b].weights, model.weights):
+            assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("per_model", [False, True])
+def test_one_hot_labels_shared_or_per_model(per_model):
+    # Four classes and four models: [batch, 4] float labels are one-hot
+    # labels shared by all models; [batch, 4, 4] are one-hot per model.
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    classes = rng.integers(0, 4, size=(16, B))
+    y = np.eye(4, dtype="float32")[classes if per_model else classes[:, 0]]
+    array = hftatf.fuse(mlp(classes=4), B)
+    stock = stock_copies(array)
+    array.compile(hftatf.optimizers.SGD(0.1),
+                  loss="categorical_crossentropy")
+    logs = array.evaluate(x, y, verbose=0, return_dict=True)
+    for b, model in enumerate(stock):
+        model.compile(loss="categorical_crossentropy")
+        expected = model.evaluate(x, y[:, b] if per_model else y, verbose=0)
+        assert_close(logs[f"loss_{b}"], expected)
+
+
+def test_predict_and_evaluate_layout():
+    x, y = data(n=10)
+    array = hftatf.fuse(mlp(), B)
+    array.compile(hftatf.optimizers.SGD(0.1),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    predictions = array.predict(x, verbose=0)
+    assert predictions.shape == (10, B, 3)
+    for b, model in enumerate(array.unfuse()):
+        assert_close(predictions[:, b], model.predict(x, verbose=0))
+    logs = array.evaluate(x, y, verbose=0, return_dict=True)
+    assert {f"loss_{b}" for b in range(B)} <= set(logs)
+    assert {f"accuracy_{b}" for b in range(B)} <= set(logs)
+    assert all(np.ndim(value) == 0 for value in logs.values())
+
+
+def test_regularization_losses_are_per_model():
+    x = keras.Input((5,))
+    y = keras.layers.Dense(
+        2, kernel_regularizer=keras.regularizers.L2(0.1))(x)
+    stock_model = keras.Model(x, y)
+    array = hftatf.fuse(stock_model, 3)
+    array.compile(hftatf.optimizers.SGD([0.1, 0.2, 0.3]), loss="mse")
+    inputs = np.ones((4, 5), "float32")
+    targets = np.zeros((4, 2), "float32")
+    logs = array.evaluate(inputs, targets, verbose=0, return_dict=True)
+    for b, model in enumerate(array.unfuse()):
+        model.compile(loss="mse")
+        assert_close(logs[f"loss_{b}"],
+                     model.evaluate(inputs, targets, verbose=0))
+
+
+def test_keras_file_round_trip(tmp_path):
+    x, y = data(n=32)
+    array = hftatf.fuse(mlp(), B)
+    array.compile(hftatf.optimizers.Adam([1e-3, 2e-3, 3e-3, 4e-3]),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    array.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    array.optimizer.set_hyperparameter("beta_1", [0.8, 0.85, 0.9, 0.95])
+    path = tmp_path / "array.keras"
+    array.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, hftatf.FusedModel)
+    assert loaded.num_models == B
+    for ours, theirs in zip(loaded.weights, array.weights):
+        np.testing.assert_array_equal(ours, theirs)
+    for ours, theirs in zip(loaded.optimizer.variables,
+                            array.optimizer.variables):
+        np.testing.assert_array_equal(ours, theirs)
+    for name in ("learning_rate", "beta_1", "beta_2", "epsilon"):
+        np.testing.assert_array_equal(
+            loaded.optimizer.get_hyperparameter(name),
+            array.optimizer.get_hyperparameter(name))
+    # Training goes on identically from the restored state.
+    array.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for ours, theirs in zip(loaded.weights, array.weights):
+        assert_close(ours, theirs)
+
+
+def test_stock_callbacks_read_scalar_logs():
+    x, y = data(n=32)
+    array = hftatf.fuse(mlp(), B)
+    array.compile(hftatf.optimizers.SGD(0.1),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    # Keras infers the direction of `loss` and compiled metric names; a
+    # per-model entry needs `mode`, as any other custom log entry does.
+    per_model = keras.callbacks.EarlyStopping(
+        monitor="loss_2", mode="min", patience=0, min_delta=10.0)
+    history = array.fit(x, y, epochs=5, verbose=0, callbacks=[per_model])
+    # min_delta=10: no epoch improves, so training stops after 2 epochs.
+    assert len(history.history["loss_2"]) == 2
+    mean = keras.callbacks.EarlyStopping(
+        monitor="val_accuracy", patience=0, min_delta=10.0)
+    history = array.fit(x, y, epochs=5, verbose=0, callbacks=[mean],
+                        validation_data=(x, y))
+    assert len(history.history["val_accuracy_0"]) == 2
+
+
+def test_inputs_with_wrong_model_axis_are_refused():
+    array = hftatf.fuse(mlp(), B, shared_inputs=False)
+    with pytest.raises(ValueError, match=r"num_models=4"):
+        array.predict(np.zeros((2, 3, 6), "float32"), verbose=0)
+    with pytest.raises(ValueError, match="shared_inputs=True"):
+        array.predict(np.zeros((2, 6), "float32"), verbose=0)
+    shared = hftatf.fuse(mlp(), B)
+    with pytest.raises(ValueError, match="shared_inputs=False"):
+        shared.predict(np.zeros((2, B, 6), "float32"), verbose=0)
+
+
+def test_hyperparameter_list_of_wrong_length_is_refused():
+    array = hftatf.fuse(mlp(), B)
+    with pytest.raises(ValueError, match=r"learning_rate.* 3 values"):
+        array.compile(hftatf.optimizers.SGD([0.1, 0.2, 0.3]), loss="mse")
