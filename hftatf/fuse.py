@@ -42,7 +42,8 @@ def fuse(model, num_models, shared_inputs=True, name=None,
     """
     num_models = check_num_models(num_models)
     _check_fusable(model)
-    inputs = keras.tree.flatten(model.input)
+    structure = _input_structure(model)
+    inputs = keras.tree.flatten(structure)
     if isinstance(shared_inputs, bool):
         shared_inputs = [shared_inputs] * len(inputs)
     shared_inputs = list(shared_inputs)
@@ -63,7 +64,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
             new_inputs, operation_fn=lambda op: op, call_fn=walker)
     outputs = keras.tree.map_structure(walker.per_model, outputs)
     return model_class(
-        keras.tree.pack_sequence_as(model.input, new_inputs),
+        keras.tree.pack_sequence_as(structure, new_inputs),
         outputs,
         num_models=num_models,
         shared_inputs=shared_inputs,
@@ -91,12 +92,18 @@ def _check_fusable(model):
             "layers of hftatf.layers (and hftatf.FusedModel), or rebuild it "
             "with the functional API.")
     try:
-        _ = model.input
-    except (AttributeError, ValueError):
+        _input_structure(model)
+    except (AttributeError, ValueError, IndexError, TypeError):
         raise ValueError(
             f"Model '{model.name}' has no defined input yet. Give it an "
             "input shape (keras.Input, or call model.build(shape)) before "
             "fusing it.") from None
+
+
+def _input_structure(model):
+    if isinstance(model, keras.Sequential):
+        return model.inputs[0]
+    return model.input
 
 
 class _Walker:
@@ -273,15 +280,16 @@ def _first_difference(reference, other):
     if len(reference) != len(other):
         return f"it has {len(other)} layers instead of {len(reference)}"
     for ours, theirs in zip(reference, other):
-        for key in ("class", "weights", "config"):
+        for key in ("class", "config", "weights"):
             if ours[key] != theirs[key]:
                 what = {"class": "class", "weights": "weight shapes",
                         "config": "configuration"}[key]
+                # e.g. "layer 1 (Dense) differs in configuration: units ..."
                 detail = (f"{theirs[key]} instead of {ours[key]}"
                           if key != "config" else _config_difference(
                               ours[key], theirs[key]))
-                return (f"layer {ours['position']} ({ours['class']}) has "
-                        f"another {what}: {detail}")
+                return (f"layer {ours['position']} ({ours['class']}) differs "
+                        f"in {what}: {detail}")
     return None
 
 
