@@ -51,31 +51,21 @@ class StackedInitializer:
                           for init in self.initializers])
 
 
-class ModelwiseRegularizer:
-    """Applies a stock regularizer to each model slice: returns a `[B]` loss.
+class Modelwise:
+    """Applies a stock per-weight function to each model slice and stacks.
 
-    The array's training step adds entry `b` to model `b`'s loss, so every
-    model is penalised exactly as its stock twin.
+    A stock regularizer gives a `[B]` loss (the array's training step adds
+    entry `b` to model `b`'s loss, so each model is penalised exactly as its
+    stock twin); a stock constraint (e.g. `MaxNorm(axis=0)`) gives the
+    `[B, ...]` constrained weight, each slice constrained on its own axes.
     """
 
-    def __init__(self, regularizer, num_models):
-        self.regularizer = keras.regularizers.get(regularizer)
+    def __init__(self, function, num_models):
+        self.function = function
         self.num_models = num_models
 
     def __call__(self, weight):
-        return ops.stack([self.regularizer(weight[b])
-                          for b in range(self.num_models)])
-
-
-class ModelwiseConstraint:
-    """Applies a stock constraint (e.g. `MaxNorm(axis=0)`) to each slice."""
-
-    def __init__(self, constraint, num_models):
-        self.constraint = keras.constraints.get(constraint)
-        self.num_models = num_models
-
-    def __call__(self, weight):
-        return ops.stack([self.constraint(weight[b])
+        return ops.stack([self.function(weight[b])
                           for b in range(self.num_models)])
 
 
@@ -124,11 +114,11 @@ class FusedLayer(keras.layers.Layer):
             name=name,
             initializer=StackedInitializer(initializer, self.num_models),
             regularizer=(
-                ModelwiseRegularizer(regularizer, self.num_models)
+                Modelwise(keras.regularizers.get(regularizer), self.num_models)
                 if regularizer is not None else None
             ),
             constraint=(
-                ModelwiseConstraint(constraint, self.num_models)
+                Modelwise(keras.constraints.get(constraint), self.num_models)
                 if constraint is not None else None
             ),
             trainable=trainable,

@@ -4,6 +4,8 @@ Every float hyper-parameter is a float (shared) or a length-B sequence (one
 value per model of the array).
 """
 
+import keras
+
 from hftatf.optimizers.adam import Adam
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.sgd import SGD
@@ -33,11 +35,7 @@ def get(identifier):
                 f"Unknown fused optimizer '{identifier}'. Available: "
                 f"{', '.join(sorted(by_name))}.") from None
     if isinstance(identifier, dict):
-        import keras
-
         return keras.saving.deserialize_keras_object(identifier)
-    import keras
-
     if isinstance(identifier, keras.optimizers.Optimizer):
         cls = by_name.get(type(identifier).__name__.lower())
         if cls is None or type(identifier) is not getattr(
