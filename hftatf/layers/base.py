@@ -152,7 +152,7 @@ class FusedLayer(keras.layers.Layer):
         outputs = super().__call__(*args, **kwargs)
         if self.model_activity_regularizer is not None:
             for output in keras.tree.flatten(outputs):
-                if keras.backend.is_tensor(output):
+                if ops.is_tensor(output):
                     self.add_loss(self._activity_loss(output))
         return outputs
 

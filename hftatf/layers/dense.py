@@ -85,6 +85,8 @@ class FusedDense(FusedLayer):
 
     def build(self, input_shape):
         check_model_axis(self.name, self.num_models, input_shape)
+        self.input_spec = keras.layers.InputSpec(
+            min_ndim=3, axes={1: self.num_models, -1: input_shape[-1]})
         self.kernel = self.add_model_weight(
             (input_shape[-1], self.units),
             name="kernel",

@@ -98,9 +98,18 @@ class FusedFold(keras.layers.Wrapper):
 
     def _fold_shape(self, shape):
         check_model_axis(self.name, self.num_models, shape)
-        return (None, *shape[2:])
+        batch = None if shape[0] is None else shape[0] * self.num_models
+        return (batch, *shape[2:])
+
+    def _unfold_shape(self, shape):
+        batch = None if shape[0] is None else shape[0] // self.num_models
+        return (batch, self.num_models, *shape[1:])
 
     def call(self, inputs, training=None, mask=None):
+        # Checked on every call: a wrong model axis would otherwise fold
+        # samples of different models together without an error.
+        for x in keras.tree.flatten(inputs):
+            check_model_axis(self.name, self.num_models, tuple(x.shape))
         kwargs = {}
         if self.layer._call_has_training_arg and training is not None:
             kwargs["training"] = training
@@ -127,8 +136,7 @@ class FusedFold(keras.layers.Wrapper):
     def compute_output_shape(self, input_shape):
         folded = self.layer.compute_output_shape(keras.tree.map_shape_structure(
             self._fold_shape, input_shape))
-        return keras.tree.map_shape_structure(
-            lambda s: (None, self.num_models, *s[1:]), folded)
+        return keras.tree.map_shape_structure(self._unfold_shape, folded)
 
     def get_config(self):
         config = super().get_config()

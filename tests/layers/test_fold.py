@@ -1,0 +1,598 @@
+"""FusedFold and BroadcastToModels against stock Keras.
+
+The oracle of `FusedFold(layer, B)` on `[batch, B, ...]` inputs is the stock
+layer applied to every model slice `x[:, b]`, stacked on axis 1.
+"""
+
+import copy
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from testing import assert_close
+
+from hftatf.layers import (
+    PER_SAMPLE_LAYERS,
+    BroadcastToModels,
+    FusedDense,
+    FusedFold,
+)
+
+NUM_MODELS = 3
+BATCH = 2
+
+# One row per case: id, stock layer factory, per-model input shape(s) (a list
+# of shapes for merge layers). Every class of PER_SAMPLE_LAYERS has at least
+# one row (test_table_covers_every_per_sample_layer); random layers are
+# compared here in inference mode, and in training mode further down.
+CASES = [
+    ("Activation_relu", lambda: keras.layers.Activation("relu"), (4, 5)),
+    ("Activation_sigmoid", lambda: keras.layers.Activation("sigmoid"),
+     (5,)),
+    ("ReLU", lambda: keras.layers.ReLU(), (4, 5)),
+    ("ReLU_args", lambda: keras.layers.ReLU(
+        max_value=1.0, negative_slope=0.1, threshold=0.2), (4, 5)),
+    ("LeakyReLU", lambda: keras.layers.LeakyReLU(negative_slope=0.2), (5,)),
+    ("ELU", lambda: keras.layers.ELU(alpha=0.5), (5,)),
+    ("Softmax", lambda: keras.layers.Softmax(), (4, 5)),
+    ("Softmax_axis1", lambda: keras.layers.Softmax(axis=1), (4, 5)),
+    ("Dropout", lambda: keras.layers.Dropout(0.5), (4, 5)),
+    ("SpatialDropout1D", lambda: keras.layers.SpatialDropout1D(0.5),
+     (4, 5)),
+    ("SpatialDropout2D", lambda: keras.layers.SpatialDropout2D(0.5),
+     (3, 3, 2)),
+    ("SpatialDropout3D", lambda: keras.layers.SpatialDropout3D(0.5),
+     (2, 2, 2, 2)),
+    ("GaussianNoise", lambda: keras.layers.GaussianNoise(0.3), (5,)),
+    ("GaussianDropout", lambda: keras.layers.GaussianDropout(0.3), (5,)),
+    ("AlphaDropout", lambda: keras.layers.AlphaDropout(0.3), (5,)),
+    ("Flatten", lambda: keras.layers.Flatten(), (2, 3, 2)),
+    ("Reshape", lambda: keras.layers.Reshape((5, 4)), (4, 5)),
+    ("Reshape_infer", lambda: keras.layers.Reshape((-1, 2)), (4, 3)),
+    ("Permute", lambda: keras.layers.Permute((2, 1)), (4, 5)),
+    ("Permute_3d", lambda: keras.layers.Permute((3, 1, 2)), (2, 3, 4)),
+    ("RepeatVector", lambda: keras.layers.RepeatVector(3), (5,)),
+    ("Identity", lambda: keras.layers.Identity(), (4, 5)),
+    ("Cropping1D", lambda: keras.layers.Cropping1D((1, 2)), (6, 2)),
+    ("Cropping2D", lambda: keras.layers.Cropping2D(((1, 0), (0, 2))),
+     (4, 5, 2)),
+    ("Cropping3D", lambda: keras.layers.Cropping3D(1), (3, 4, 4, 1)),
+    ("ZeroPadding1D", lambda: keras.layers.ZeroPadding1D((2, 1)), (3, 2)),
+    ("ZeroPadding2D", lambda: keras.layers.ZeroPadding2D(((1, 0), (2, 1))),
+     (3, 3, 2)),
+    ("ZeroPadding3D", lambda: keras.layers.ZeroPadding3D(1), (2, 2, 2, 1)),
+    ("UpSampling1D", lambda: keras.layers.UpSampling1D(2), (3, 2)),
+    ("UpSampling2D", lambda: keras.layers.UpSampling2D(2), (2, 3, 2)),
+    ("UpSampling2D_bilinear", lambda: keras.layers.UpSampling2D(
+        2, interpolation="bilinear"), (2, 3, 2)),
+    ("UpSampling3D", lambda: keras.layers.UpSampling3D(2), (2, 2, 2, 1)),
+    ("MaxPooling1D", lambda: keras.layers.MaxPooling1D(2), (6, 2)),
+    ("MaxPooling2D", lambda: keras.layers.MaxPooling2D(2), (4, 4, 2)),
+    ("MaxPooling2D_same", lambda: keras.layers.MaxPooling2D(
+        3, strides=1, padding="same"), (4, 4, 2)),
+    ("MaxPooling3D", lambda: keras.layers.MaxPooling3D(2), (4, 4, 4, 1)),
+    ("AveragePooling1D", lambda: keras.layers.AveragePooling1D(2), (6, 2)),
+    ("AveragePooling2D", lambda: keras.layers.AveragePooling2D(2),
+     (4, 4, 2)),
+    ("AveragePooling3D", lambda: keras.layers.AveragePooling3D(2),
+     (4, 4, 4, 1)),
+    ("GlobalMaxPooling1D", lambda: keras.layers.GlobalMaxPooling1D(),
+     (5, 3)),
+    ("GlobalMaxPooling2D", lambda: keras.layers.GlobalMaxPooling2D(),
+     (4, 4, 3)),
+    ("GlobalMaxPooling3D", lambda: keras.layers.GlobalMaxPooling3D(),
+     (2, 2, 2, 3)),
+    ("GlobalAveragePooling1D", lambda: keras.layers.GlobalAveragePooling1D(),
+     (5, 3)),
+    ("GlobalAveragePooling1D_keepdims",
+     lambda: keras.layers.GlobalAveragePooling1D(keepdims=True), (5, 3)),
+    ("GlobalAveragePooling2D", lambda: keras.layers.GlobalAveragePooling2D(),
+     (4, 4, 3)),
+    ("GlobalAveragePooling3D", lambda: keras.layers.GlobalAveragePooling3D(),
+     (2, 2, 2, 3)),
+    ("Add", lambda: keras.layers.Add(), [(4,), (4,)]),
+    ("Add_three", lambda: keras.layers.Add(), [(2, 4), (2, 4), (2, 4)]),
+    ("Subtract", lambda: keras.layers.Subtract(), [(4,), (4,)]),
+    ("Multiply", lambda: keras.layers.Multiply(), [(2, 4), (2, 4)]),
+    ("Average", lambda: keras.layers.Average(), [(4,), (4,)]),
+    ("Maximum", lambda: keras.layers.Maximum(), [(4,), (4,)]),
+    ("Minimum", lambda: keras.layers.Minimum(), [(4,), (4,)]),
+    ("Concatenate_axis1", lambda: keras.layers.Concatenate(axis=1),
+     [(2, 3), (4, 3)]),
+    ("Concatenate_axis-1", lambda: keras.layers.Concatenate(axis=-1),
+     [(2, 3), (2, 5)]),
+    ("Dot_axes1", lambda: keras.layers.Dot(axes=1), [(5,), (5,)]),
+    ("Dot_axes1_normalize", lambda: keras.layers.Dot(axes=1, normalize=True),
+     [(5,), (5,)]),
+    ("Dot_axes_2_1", lambda: keras.layers.Dot(axes=(2, 1)),
+     [(3, 4), (4, 2)]),
+    ("Rescaling", lambda: keras.layers.Rescaling(scale=0.5, offset=1.0),
+     (4,)),
+    ("Resizing", lambda: keras.layers.Resizing(3, 5), (4, 4, 2)),
+    ("CenterCrop", lambda: keras.layers.CenterCrop(2, 3), (4, 5, 2)),
+    ("Masking", lambda: keras.layers.Masking(), (4, 3)),
+]
+CASE_IDS = [case[0] for case in CASES]
+CASES_BY_ID = {case[0]: case for case in CASES}
+
+
+def make_inputs(shapes, rng, num_models=NUM_MODELS, batch=BATCH):
+    """One random `[batch, B, *shape]` array per input of the layer."""
+    shapes = shapes if isinstance(shapes, list) else [shapes]
+    return [rng.standard_normal((batch, num_models, *s)).astype("float32")
+            for s in shapes]
+
+
+def call(layer, inputs, **kwargs):
+    """Calls `layer` on one input or on a list of inputs."""
+    return layer(inputs[0] if len(inputs) == 1 else list(inputs), **kwargs)
+
+
+def stock_per_model(layer, inputs, num_models=NUM_MODELS, **kwargs):
+    """The oracle: the stock layer on every model slice, stacked on axis 1."""
+    return np.stack([
+        keras.ops.convert_to_numpy(
+            call(layer, [x[:, b] for x in inputs], **kwargs))
+        for b in range(num_models)
+    ], axis=1)
+
+
+def input_shapes(inputs):
+    shapes = [tuple(x.shape) for x in inputs]
+    return shapes[0] if len(shapes) == 1 else shapes
+
+
+def test_table_covers_every_per_sample_layer():
+    tested = {type(factory()) for _, factory, _ in CASES}
+    assert set(PER_SAMPLE_LAYERS) <= tested, (
+        set(PER_SAMPLE_LAYERS) - tested)
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_matches_stock_per_model(case_id):
+    _, factory, shapes = CASES_BY_ID[case_id]
+    rng = np.random.default_rng(0)
+    inputs = make_inputs(shapes, rng)
+    fused = FusedFold(factory(), NUM_MODELS)
+    y = keras.ops.convert_to_numpy(call(fused, inputs))
+    assert not fused.weights
+    assert_close(y, stock_per_model(factory(), inputs))
+    expected_shape = fused.compute_output_shape(input_shapes(inputs))
+    assert expected_shape[0] in (None, BATCH)
+    assert tuple(expected_shape[1:]) == y.shape[1:]
+
+
+@pytest.mark.parametrize("case_id", CASE_IDS)
+def test_symbolic_call_in_a_functional_model(case_id):
+    _, factory, shapes = CASES_BY_ID[case_id]
+    rng = np.random.default_rng(1)
+    inputs = make_inputs(shapes, rng)
+    symbolic = [keras.Input(x.shape[1:]) for x in inputs]
+    outputs = call(FusedFold(factory(), NUM_MODELS), symbolic)
+    model = keras.Model(symbolic, outputs)
+    y = keras.ops.convert_to_numpy(model(inputs))
+    assert tuple(outputs.shape[1:]) == y.shape[1:]
+    assert_close(y, stock_per_model(factory(), inputs))
+
+
+@pytest.mark.parametrize("case_id", [
+    "Softmax_axis1", "MaxPooling2D", "AveragePooling1D",
+    "UpSampling2D_bilinear", "GlobalAveragePooling1D", "Permute_3d",
+    "Concatenate_axis1", "Multiply", "Dot_axes_2_1", "Dot_axes1_normalize",
+])
+def test_input_gradients_match_stock(case_id):
+    _, factory, shapes = CASES_BY_ID[case_id]
+    rng = np.random.default_rng(2)
+    inputs = make_inputs(shapes, rng)
+    fused = FusedFold(factory(), NUM_MODELS)
+    stock = factory()
+    y = keras.ops.convert_to_numpy(call(fused, inputs))
+    cotangent = rng.standard_normal(y.shape).astype("float32")
+
+    def gradients(layer, xs, cot):
+        xs = [tf.constant(x) for x in xs]
+        with tf.GradientTape() as tape:
+            for x in xs:
+                tape.watch(x)
+            scalar = tf.reduce_sum(call(layer, xs) * cot)
+        return [g.numpy() for g in tape.gradient(scalar, xs)]
+
+    fused_grads = gradients(fused, inputs, cotangent)
+    for b in range(NUM_MODELS):
+        stock_grads = gradients(stock, [x[:, b] for x in inputs],
+                                cotangent[:, b])
+        for i, (got, expected) in enumerate(zip(fused_grads, stock_grads)):
+            assert_close(got[:, b], expected,
+                         err_msg=f"input {i}, model {b}")
+
+
+def test_compute_output_shape_of_a_merge():
+    fused = FusedFold(keras.layers.Concatenate(axis=1), NUM_MODELS)
+    assert tuple(fused.compute_output_shape(
+        [(None, NUM_MODELS, 2, 3), (None, NUM_MODELS, 4, 3)])) == (
+        None, NUM_MODELS, 6, 3)
+
+
+def test_compute_output_shape_keeps_batch_size():
+    stock = keras.layers.ReLU()
+    assert tuple(stock.compute_output_shape((BATCH, 5))) == (BATCH, 5)
+    fused = FusedFold(keras.layers.ReLU(), NUM_MODELS)
+    assert tuple(fused.compute_output_shape((BATCH, NUM_MODELS, 5))) == (
+        BATCH, NUM_MODELS, 5)
+
+
+# Masks.
+
+
+def masked_input(rng, timesteps=5, features=3):
+    """`[batch, B, T, C]` with some all-zero time steps, different per model,
+    and the stock Masking mask they imply."""
+    x = rng.standard_normal(
+        (BATCH, NUM_MODELS, timesteps, features)).astype("float32")
+    padded = rng.random((BATCH, NUM_MODELS, timesteps)) < 0.4
+    padded[..., 0] = False  # Keep a step per sequence: no empty average.
+    x[padded] = 0.0
+    return x, ~padded
+
+
+def test_masking_mask_matches_stock():
+    rng = np.random.default_rng(3)
+    x, not_padded = masked_input(rng)
+    fused = FusedFold(keras.layers.Masking(), NUM_MODELS)
+    stock = keras.layers.Masking()
+    mask = keras.ops.convert_to_numpy(fused.compute_mask(x))
+    expected = np.stack([
+        keras.ops.convert_to_numpy(stock.compute_mask(x[:, b]))
+        for b in range(NUM_MODELS)], axis=1)
+    np.testing.assert_array_equal(mask, expected)
+    np.testing.assert_array_equal(mask, not_padded)
+    assert_close(fused(x), stock_per_model(stock, [x]))
+
+
+def test_explicit_mask_reaches_the_stock_layer():
+    rng = np.random.default_rng(4)
+    x, mask = masked_input(rng)
+    x = rng.standard_normal(x.shape).astype("float32")  # Mask-only padding.
+    fused = FusedFold(keras.layers.GlobalAveragePooling1D(), NUM_MODELS)
+    stock = keras.layers.GlobalAveragePooling1D()
+    expected = np.stack([stock(x[:, b], mask=mask[:, b])
+                         for b in range(NUM_MODELS)], axis=1)
+    assert_close(fused(x, mask=mask), expected)
+    # The mask must matter, or this test would not test it.
+    assert not np.allclose(expected, stock_per_model(stock, [x]))
+
+
+def test_mask_propagates_between_folded_layers():
+    rng = np.random.default_rng(5)
+    x, _ = masked_input(rng)
+    masking = FusedFold(keras.layers.Masking(), NUM_MODELS)
+    pooling = FusedFold(keras.layers.GlobalAveragePooling1D(), NUM_MODELS)
+    y = pooling(masking(x))
+    stock_masking = keras.layers.Masking()
+    stock_pooling = keras.layers.GlobalAveragePooling1D()
+    expected = np.stack([stock_pooling(stock_masking(x[:, b]))
+                         for b in range(NUM_MODELS)], axis=1)
+    assert_close(y, expected)
+    assert not np.allclose(expected, stock_per_model(stock_pooling, [x]))
+
+
+def test_mask_propagates_in_a_functional_model():
+    rng = np.random.default_rng(6)
+    x, _ = masked_input(rng)
+    inputs = keras.Input(x.shape[1:])
+    hidden = FusedFold(keras.layers.Masking(), NUM_MODELS)(inputs)
+    outputs = FusedFold(keras.layers.GlobalAveragePooling1D(),
+                        NUM_MODELS)(hidden)
+    model = keras.Model(inputs, outputs)
+    stock_inputs = keras.Input(x.shape[2:])
+    stock = keras.Model(stock_inputs, keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Masking()(stock_inputs)))
+    expected = np.stack([stock(x[:, b]) for b in range(NUM_MODELS)], axis=1)
+    assert_close(model(x), expected)
+
+
+# Random layers: every model draws its own mask or noise.
+
+RANDOM_BATCH = 64
+RANDOM_FEATURES = 256
+
+
+def shared_positive_input(rng, shape):
+    """Input in [1, 2), the same for every model (so output differences
+    between models come from the randomness alone)."""
+    x = rng.uniform(1.0, 2.0, (RANDOM_BATCH, *shape)).astype("float32")
+    return np.repeat(x[:, None], NUM_MODELS, axis=1)
+
+
+def alpha_dropped_value(y):
+    """AlphaDropout sends every dropped unit to one value, whatever the input
+    (which here is continuous, so kept units take distinct values)."""
+    values, counts = np.unique(y, return_counts=True)
+    return values[np.argmax(counts)]
+
+
+def zero(y_stock):
+    return 0.0
+
+
+@pytest.mark.parametrize("factory,shape,unit_axes,dropped_value", [
+    pytest.param(lambda: keras.layers.Dropout(0.5), (RANDOM_FEATURES,), (),
+                 zero, id="Dropout"),
+    pytest.param(lambda: keras.layers.Dropout(0.2), (RANDOM_FEATURES,), (),
+                 zero, id="Dropout_0.2"),
+    # One draw per (sample, channel): the mask is constant over time.
+    pytest.param(lambda: keras.layers.SpatialDropout1D(0.3),
+                 (4, RANDOM_FEATURES), (0,), zero, id="SpatialDropout1D"),
+    pytest.param(lambda: keras.layers.AlphaDropout(0.2), (RANDOM_FEATURES,),
+                 (), alpha_dropped_value, id="AlphaDropout"),
+])
+def test_dropout_masks_are_independent_per_model(factory, shape, unit_axes,
+                                                 dropped_value):
+    rng = np.random.default_rng(7)
+    x = shared_positive_input(rng, shape)
+    layer = factory()
+    rate = layer.rate
+    y = keras.ops.convert_to_numpy(
+        FusedFold(layer, NUM_MODELS)(x, training=True))
+    y_stock = keras.ops.convert_to_numpy(factory()(x[:, 0], training=True))
+    value = dropped_value(y_stock)
+    dropped = y == value
+    stock_dropped = y_stock == value
+
+    # Masks drawn once per unit: reduce the per-model axes (`unit_axes`,
+    # counted after batch and model) that the mask is constant over.
+    axes = tuple(2 + a for a in unit_axes)
+    np.testing.assert_array_equal(dropped.all(axis=axes),
+                                  dropped.any(axis=axes))
+    units = dropped.all(axis=axes)
+    n = units[:, 0].size
+    sd = np.sqrt(rate * (1 - rate) / n)
+    for b in range(NUM_MODELS):
+        fraction = units[:, b].mean()
+        assert abs(fraction - rate) < 4 * sd, (b, fraction, rate)
+    # Independent masks disagree with probability 2 p (1 - p).
+    disagree = 2 * rate * (1 - rate)
+    sd = np.sqrt(disagree * (1 - disagree) / n)
+    for b in range(NUM_MODELS):
+        for c in range(b):
+            fraction = np.mean(units[:, b] != units[:, c])
+            assert abs(fraction - disagree) < 4 * sd, (b, c, fraction)
+    # Where model b and the stock layer agree on the mask, they agree on the
+    # value: kept units are scaled (and shifted) as by the stock layer.
+    for b in range(NUM_MODELS):
+        same = dropped[:, b] == stock_dropped
+        assert same.mean() > 0.3
+        assert_close(y[:, b][same], y_stock[same], err_msg=f"model {b}")
+
+
+@pytest.mark.parametrize("factory,noise", [
+    pytest.param(lambda: keras.layers.GaussianNoise(0.3),
+                 lambda y, x: y - x, id="GaussianNoise"),
+    pytest.param(lambda: keras.layers.GaussianDropout(0.3),
+                 lambda y, x: y / x, id="GaussianDropout"),
+])
+def test_noise_is_independent_per_model(factory, noise):
+    rng = np.random.default_rng(8)
+    x = shared_positive_input(rng, (RANDOM_FEATURES,))
+    y = keras.ops.convert_to_numpy(
+        FusedFold(factory(), NUM_MODELS)(x, training=True))
+    fused_noise = noise(y, x)
+    stock_noise = noise(
+        keras.ops.convert_to_numpy(factory()(x[:, 0], training=True)),
+        x[:, 0])
+    n = stock_noise.size
+    stock_mean, stock_sd = stock_noise.mean(), stock_noise.std()
+    assert stock_sd > 0
+    for b in range(NUM_MODELS):
+        model_noise = fused_noise[:, b]
+        # Two independent samples of n: 4 sd of the difference of the means,
+        # and of the standard deviations (sd(s) ~ sigma / sqrt(2 n)).
+        assert abs(model_noise.mean() - stock_mean) < (
+            4 * stock_sd * np.sqrt(2.0 / n)), b
+        assert abs(model_noise.std() - stock_sd) < (
+            4 * stock_sd * np.sqrt(1.0 / n)), b
+    for b in range(NUM_MODELS):
+        for c in range(b):
+            r = np.corrcoef(fused_noise[:, b].ravel(),
+                            fused_noise[:, c].ravel())[0, 1]
+            assert abs(r) < 4 / np.sqrt(n), (b, c, r)
+
+
+@pytest.mark.parametrize("factory", [
+    lambda: keras.layers.Dropout(0.5),
+    lambda: keras.layers.GaussianDropout(0.3),
+    lambda: keras.layers.GaussianNoise(0.3),
+    lambda: keras.layers.SpatialDropout1D(0.5),
+    lambda: keras.layers.AlphaDropout(0.3),
+], ids=["Dropout", "GaussianDropout", "GaussianNoise", "SpatialDropout1D",
+        "AlphaDropout"])
+def test_random_layers_in_inference_mode_match_stock(factory):
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((BATCH, NUM_MODELS, 4, 6)).astype("float32")
+    fused = FusedFold(factory(), NUM_MODELS)
+    stock = factory()
+    expected = stock_per_model(stock, [x], training=False)
+    assert_close(fused(x, training=False), expected)
+    assert_close(fused(x), expected)  # Inference is the default.
+    # And it is the stock inference behaviour: the identity.
+    assert_close(expected, x)
+
+
+def test_masks_change_between_calls():
+    x = np.ones((RANDOM_BATCH, NUM_MODELS, RANDOM_FEATURES), "float32")
+    fused = FusedFold(keras.layers.Dropout(0.5), NUM_MODELS)
+    first = keras.ops.convert_to_numpy(fused(x, training=True))
+    second = keras.ops.convert_to_numpy(fused(x, training=True))
+    assert not np.array_equal(first == 0, second == 0)
+
+
+# What FusedFold refuses.
+
+
+@pytest.mark.parametrize("factory", [
+    lambda: keras.layers.Dense(3),
+    lambda: keras.layers.BatchNormalization(),
+    lambda: keras.layers.Conv1D(2, 3),
+], ids=["Dense", "BatchNormalization", "Conv1D"])
+def test_refuses_layers_with_weights(factory):
+    fused = FusedFold(factory(), NUM_MODELS)
+    with pytest.raises(ValueError, match="can only wrap layers without "
+                                         "weights"):
+        fused(np.ones((BATCH, NUM_MODELS, 5, 4), "float32"))
+
+
+@pytest.mark.parametrize("num_models,error", [
+    (0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError),
+])
+def test_rejects_bad_num_models(num_models, error):
+    with pytest.raises(error, match="num_models"):
+        FusedFold(keras.layers.ReLU(), num_models)
+    with pytest.raises(error, match="num_models"):
+        BroadcastToModels(num_models)
+
+
+def test_rejects_wrong_model_axis_when_it_builds_the_stock_layer():
+    fused = FusedFold(keras.layers.Flatten(), NUM_MODELS)
+    with pytest.raises(ValueError, match=f"num_models={NUM_MODELS} on axis"):
+        fused(np.ones((NUM_MODELS, NUM_MODELS + 1, 5), "float32"))
+
+
+@pytest.mark.parametrize("factory,shape", [
+    pytest.param(lambda: keras.layers.ReLU(), (5,), id="ReLU"),
+    pytest.param(lambda: keras.layers.Dropout(0.5), (5,), id="Dropout"),
+    pytest.param(lambda: keras.layers.GlobalMaxPooling1D(), (5, 2),
+                 id="GlobalMaxPooling1D"),
+])
+def test_rejects_wrong_model_axis(factory, shape):
+    fused = FusedFold(factory(), NUM_MODELS)
+    with pytest.raises(ValueError, match=f"num_models={NUM_MODELS} on axis"):
+        fused(np.ones((NUM_MODELS, NUM_MODELS + 1, *shape), "float32"))
+
+
+def test_built_fold_rejects_wrong_model_axis():
+    fused = FusedFold(keras.layers.Flatten(), NUM_MODELS)
+    fused(np.ones((BATCH, NUM_MODELS, 5, 2), "float32"))
+    with pytest.raises(ValueError, match=f"num_models={NUM_MODELS} on axis"):
+        fused(np.ones((NUM_MODELS, NUM_MODELS + 1, 5, 2), "float32"))
+
+
+# BroadcastToModels.
+
+
+@pytest.mark.parametrize("shape", [(5,), (4, 3)], ids=["rank2", "rank3"])
+def test_broadcast_copies_the_input_to_every_model(shape):
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((BATCH, *shape)).astype("float32")
+    layer = BroadcastToModels(NUM_MODELS)
+    y = keras.ops.convert_to_numpy(layer(x))
+    assert y.shape == (BATCH, NUM_MODELS, *shape)
+    assert tuple(layer.compute_output_shape(x.shape)) == y.shape
+    for b in range(NUM_MODELS):
+        np.testing.assert_array_equal(y[:, b], x)
+
+
+def test_broadcast_gradient_is_the_sum_over_models():
+    rng = np.random.default_rng(11)
+    x = tf.constant(rng.standard_normal((BATCH, 4, 3)).astype("float32"))
+    cotangent = rng.standard_normal(
+        (BATCH, NUM_MODELS, 4, 3)).astype("float32")
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        scalar = tf.reduce_sum(BroadcastToModels(NUM_MODELS)(x) * cotangent)
+    assert_close(tape.gradient(scalar, x), cotangent.sum(axis=1))
+
+
+def test_broadcast_repeats_the_mask():
+    mask = np.arange(BATCH * 4).reshape(BATCH, 4) % 3 > 0
+    layer = BroadcastToModels(NUM_MODELS)
+    got = keras.ops.convert_to_numpy(
+        layer.compute_mask(np.ones((BATCH, 4, 2), "float32"), mask))
+    np.testing.assert_array_equal(
+        got, np.repeat(mask[:, None], NUM_MODELS, axis=1))
+
+
+def test_shared_input_through_the_array_matches_stock_models():
+    """Broadcast, fused dense, folded layers: model b is stock model b."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((BATCH, 6)).astype("float32")
+    inputs = keras.Input((6,))
+    hidden = BroadcastToModels(NUM_MODELS)(inputs)
+    fused_dense = FusedDense(NUM_MODELS, 4)
+    hidden = fused_dense(hidden)
+    hidden = FusedFold(keras.layers.LeakyReLU(0.1), NUM_MODELS)(hidden)
+    hidden = FusedFold(keras.layers.Dropout(0.5), NUM_MODELS)(hidden)
+    outputs = FusedFold(keras.layers.Softmax(), NUM_MODELS)(hidden)
+    array = keras.Model(inputs, outputs)
+    fused_dense.set_weights([rng.standard_normal(w.shape).astype("float32")
+                             for w in fused_dense.get_weights()])
+    y = keras.ops.convert_to_numpy(array(x))
+    x_t = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x_t)
+        fused_scalar = tf.reduce_sum(array(x_t)[..., 0])
+    fused_grad = tape.gradient(fused_scalar, x_t).numpy()
+    stock_grad = np.zeros_like(x)
+    for b in range(NUM_MODELS):
+        dense = keras.layers.Dense(4)
+        stock = keras.Sequential([
+            keras.Input((6,)), dense, keras.layers.LeakyReLU(0.1),
+            keras.layers.Dropout(0.5), keras.layers.Softmax()])
+        dense.set_weights(fused_dense.get_model_weights(b))
+        assert_close(y[:, b], stock(x), err_msg=f"model {b}")
+        with tf.GradientTape() as tape:
+            tape.watch(x_t)
+            scalar = tf.reduce_sum(stock(x_t)[..., 0])
+        stock_grad += tape.gradient(scalar, x_t).numpy()
+    assert_close(fused_grad, stock_grad)
+
+
+# Serialization.
+
+
+def test_fold_config_round_trip():
+    fused = FusedFold(keras.layers.Concatenate(axis=1), NUM_MODELS,
+                      name="fold_under_test")
+    config = fused.get_config()
+    # Stock Wrapper.from_config pops "layer" from the dict it is given.
+    clone = FusedFold.from_config(copy.deepcopy(config))
+    assert clone.num_models == NUM_MODELS
+    assert type(clone.layer) is keras.layers.Concatenate
+    assert clone.get_config() == config
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(fused))
+    assert type(restored) is FusedFold
+    assert restored.get_config() == config
+
+
+def test_broadcast_config_round_trip():
+    layer = BroadcastToModels(NUM_MODELS, name="broadcast_under_test")
+    config = layer.get_config()
+    assert BroadcastToModels.from_config(config).get_config() == config
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(layer))
+    assert type(restored) is BroadcastToModels
+    assert restored.get_config() == config
+
+
+def test_saved_model_file_round_trip(tmp_path):
+    rng = np.random.default_rng(13)
+    inputs = keras.Input((4, 3))
+    hidden = BroadcastToModels(NUM_MODELS)(inputs)
+    hidden = FusedFold(keras.layers.MaxPooling1D(2), NUM_MODELS)(hidden)
+    hidden = FusedFold(keras.layers.Flatten(), NUM_MODELS)(hidden)
+    hidden = FusedFold(keras.layers.Dropout(0.5), NUM_MODELS)(hidden)
+    hidden = FusedDense(NUM_MODELS, 2)(hidden)
+    outputs = FusedFold(keras.layers.Softmax(), NUM_MODELS)(hidden)
+    model = keras.Model(inputs, outputs)
+    x = rng.standard_normal((BATCH, 4, 3)).astype("float32")
+    path = tmp_path / "fold.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert [type(layer) for layer in loaded.layers] == [
+        type(layer) for layer in model.layers]
+    assert [type(layer.layer) for layer in loaded.layers
+            if isinstance(layer, FusedFold)] == [
+        type(layer.layer) for layer in model.layers
+        if isinstance(layer, FusedFold)]
+    np.testing.assert_array_equal(loaded(x), model(x))

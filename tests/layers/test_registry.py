@@ -1,0 +1,145 @@
+"""The registry: which stock layer classes have a fused form, and what it is."""
+
+import keras
+import numpy as np
+import pytest
+from testing import assert_close
+
+from hftatf.layers import PER_SAMPLE_LAYERS, FusedDense, FusedFold, registry
+
+
+class UserDense(keras.layers.Dense):
+    """A user subclass of Dense: it may compute something else entirely."""
+
+    def call(self, inputs):
+        return super().call(inputs) * 2.0
+
+
+class UserReLU(keras.layers.ReLU):
+    pass
+
+
+@pytest.mark.parametrize("layer,class_name", [
+    pytest.param(keras.layers.LSTM(4, name="my_lstm"), "LSTM", id="LSTM"),
+    pytest.param(UserDense(4, name="my_dense"), "UserDense", id="UserDense"),
+    pytest.param(UserReLU(name="my_relu"), "UserReLU", id="UserReLU"),
+])
+def test_unsupported_layer_is_named_in_the_error(layer, class_name):
+    assert not registry.is_supported(layer)
+    assert not registry.is_foldable(layer)
+    with pytest.raises(ValueError) as error:
+        registry.fused_form(layer)
+    message = str(error.value)
+    assert f"'{layer.name}'" in message
+    assert f"{type(layer).__module__}.{class_name}" in message
+    with pytest.raises(ValueError, match=layer.name):
+        registry.fuse_layer(layer, 2)
+
+
+def test_supported_layers():
+    supported = registry.supported_layers()
+    assert keras.layers.Dense in supported
+    assert keras.layers.Dropout in supported
+    assert set(PER_SAMPLE_LAYERS) <= set(supported)
+    names = [cls.__name__ for cls in supported]
+    assert names == sorted(names)
+    assert len(set(supported)) == len(supported)
+
+
+def test_lookup_is_by_exact_class():
+    assert registry.fused_form(keras.layers.Dense(4)) is FusedDense
+    assert registry.is_supported(keras.layers.Dense(4))
+    assert not registry.is_foldable(keras.layers.Dense(4))
+    assert keras.layers.Dense in registry.supported_layers()
+    assert UserDense not in registry.supported_layers()
+    assert not registry.is_supported(UserDense(4))
+
+
+# Constructor arguments of the per-sample classes that require some.
+REQUIRED_ARGS = {
+    "Activation": ("relu",), "Dropout": (0.5,), "SpatialDropout1D": (0.5,),
+    "SpatialDropout2D": (0.5,), "SpatialDropout3D": (0.5,),
+    "GaussianNoise": (0.1,), "GaussianDropout": (0.1,),
+    "AlphaDropout": (0.1,), "Reshape": ((2, 2),), "Permute": ((2, 1),),
+    "RepeatVector": (2,), "Resizing": (2, 3), "CenterCrop": (2, 3),
+    "AveragePooling1D": (2,), "AveragePooling2D": (2,),
+    "AveragePooling3D": (2,), "Dot": (1,), "Rescaling": (0.5,),
+}
+
+
+@pytest.mark.parametrize("stock_class", PER_SAMPLE_LAYERS,
+                         ids=lambda c: c.__name__)
+def test_per_sample_layers_are_folded(stock_class):
+    stock = stock_class(*REQUIRED_ARGS.get(stock_class.__name__, ()))
+    assert stock_class in registry.supported_layers()
+    assert registry.fused_form(stock) is FusedFold
+    assert registry.is_foldable(stock)
+    fused = registry.fuse_layer(stock, 3)
+    assert type(fused) is FusedFold
+    assert fused.num_models == 3
+    assert type(fused.layer) is stock_class
+    assert fused.layer is not stock
+    assert fused.layer.get_config() == stock.get_config()
+
+
+def test_fuse_dense_keeps_the_stock_arguments():
+    stock = keras.layers.Dense(
+        4, activation="tanh", use_bias=False,
+        kernel_initializer=keras.initializers.HeNormal(seed=3),
+        kernel_regularizer=keras.regularizers.L2(0.01),
+        kernel_constraint=keras.constraints.MaxNorm(2.0, axis=0),
+        name="stock_dense")
+    fused = registry.fuse_layer(stock, 3)
+    assert type(fused) is FusedDense
+    assert fused.num_models == 3
+    assert fused.name == "stock_dense"
+    stock_config = stock.get_config()
+    fused_config = fused.get_config()
+    for key, value in stock_config.items():
+        if key == "quantization_config":
+            continue  # Accepted for parity, never stored (must be None).
+        assert fused_config[key] == value, key
+
+
+def test_fused_dense_from_stock_computes_like_the_stock_layers():
+    rng = np.random.default_rng(0)
+    stock = [keras.layers.Dense(3, activation="relu") for _ in range(2)]
+    for layer in stock:
+        layer.build((None, 5))
+        layer.set_weights([rng.standard_normal(w.shape).astype("float32")
+                           for w in layer.get_weights()])
+    fused = registry.fuse_layer(stock[0], 2)
+    fused.build((None, 2, 5))
+    for b, layer in enumerate(stock):
+        fused.set_model_weights(b, layer.get_weights())
+    x = rng.standard_normal((4, 2, 5)).astype("float32")
+    y = fused(x)
+    for b, layer in enumerate(stock):
+        assert_close(y[:, b], layer(x[:, b]))
+
+
+def test_fuse_foldable_layer_wraps_a_copy():
+    stock = keras.layers.Dropout(0.3, noise_shape=(None, 1), seed=5,
+                                 name="stock_dropout")
+    fused = registry.fuse_layer(stock, 3)
+    assert type(fused) is FusedFold
+    assert fused.num_models == 3
+    assert fused.name == "stock_dropout"
+    assert type(fused.layer) is keras.layers.Dropout
+    assert fused.layer is not stock
+    assert fused.layer.get_config() == stock.get_config()
+
+
+def test_register_a_user_class(monkeypatch):
+    # Registering mutates the process-wide map: give this test its own copy.
+    monkeypatch.setattr(registry, "_FUSED_FORMS",
+                        dict(registry._FUSED_FORMS))
+    registry.register(UserReLU)(FusedFold)
+    layer = UserReLU(name="registered_relu")
+    assert registry.is_supported(layer)
+    assert registry.is_foldable(layer)
+    fused = registry.fuse_layer(layer, 2)
+    assert type(fused.layer) is UserReLU
+    x = np.random.default_rng(1).standard_normal((3, 2, 4)).astype("float32")
+    assert_close(fused(x), np.stack([layer(x[:, b]) for b in range(2)],
+                                    axis=1))
