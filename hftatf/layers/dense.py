@@ -107,12 +107,12 @@ class FusedDense(FusedLayer):
     def call(self, inputs, training=None):
         outputs = ops.einsum("bm...i,mio->bm...o", inputs, self.kernel)
         if self.bias is not None:
-            # [B, units] -> [B, 1, ..., 1, units], broadcast over batch.
+            # [B, units] -> [B, 1, ..., 1, units], broadcast over batch. `+`,
+            # not ops.add, whose TensorFlow bias_add shortcut picks the axis
+            # from the shapes alone.
             inner = (1,) * (len(outputs.shape) - 3)
-            outputs = ops.add(
-                outputs,
-                ops.reshape(self.bias, (self.num_models, *inner, self.units)),
-            )
+            outputs = outputs + ops.reshape(
+                self.bias, (self.num_models, *inner, self.units))
         if self.activation is not None:
             outputs = self.activation(outputs)
         return outputs

@@ -69,9 +69,10 @@ class Adam(FusedOptimizer):
             v_hat = self._velocity_hats[index]
             self.assign(v_hat, ops.maximum(v_hat, v))
             v = v_hat
+        # `+`, not ops.add: on TensorFlow, ops.add turns into bias_add (along
+        # the last axis) whenever the shapes allow it, mixing models.
         self.assign_sub(
-            variable,
-            ops.divide(ops.multiply(m, alpha), ops.add(ops.sqrt(v), epsilon)))
+            variable, ops.divide(ops.multiply(m, alpha), ops.sqrt(v) + epsilon))
 
     def get_config(self):
         config = super().get_config()

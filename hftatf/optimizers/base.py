@@ -85,6 +85,7 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         )
         self._hyper_values = values
         self._hyper_variables = {}
+        self._hyper_ranges = {}
         self._num_models = None
         if num_models is not None:
             self.num_models = num_models
@@ -165,6 +166,8 @@ class FusedOptimizer(keras.optimizers.Optimizer):
                 "its learning rate is not settable. Pass floats to the "
                 "constructor to make it settable."
             )
+        if name in self._hyper_ranges:
+            self._check_range(name, *self._hyper_ranges[name], value=value)
         if isinstance(value, list):
             self._set_num_models(len(value), f"`{name}` has {len(value)} "
                                  "values")
@@ -174,9 +177,12 @@ class FusedOptimizer(keras.optimizers.Optimizer):
             variable.assign(np.broadcast_to(
                 np.asarray(value, dtype=variable.dtype), variable.shape))
 
-    def _check_range(self, name, low, high):
-        """Raises a ValueError unless every value of `name` is in range."""
-        value = self._hyper_values[name]
+    def _check_range(self, name, low, high, value=None):
+        """Raises a ValueError unless every value of `name` is in range;
+        the range is checked again whenever `name` is set."""
+        self._hyper_ranges[name] = (low, high)
+        if value is None:
+            value = self._hyper_values[name]
         values = value if isinstance(value, list) else [value]
         if any(not low <= v <= high for v in values):
             raise ValueError(

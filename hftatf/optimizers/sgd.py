@@ -49,6 +49,17 @@ class SGD(FusedOptimizer):
             self.momentums = self.add_optimizer_variables(variables,
                                                           "momentum")
 
+    def set_hyperparameter(self, name, value):
+        if (name == "momentum" and self.built and not self.momentums
+                and np.any(np.asarray(value) != 0)):
+            raise ValueError(
+                "This SGD optimizer was built without momentum (every model's "
+                "momentum was 0), so it has no momentum slots; momentum "
+                f"cannot be switched on now. Received: momentum={value!r}. "
+                "Create the optimizer with a non-zero momentum for some model."
+            )
+        super().set_hyperparameter(name, value)
+
     def update_step(self, gradient, variable, learning_rate):
         learning_rate = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
