@@ -26,6 +26,15 @@ def data(n=80, inputs=6, classes=3, seed=0):
     return x, y
 
 
+def sgd_classifier_array():
+    """An array of B MLPs compiled as a classifier with SGD(0.1)."""
+    array = hftatf.fuse(mlp(), B)
+    array.compile(hftatf.optimizers.SGD(0.1),
+                  loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return array
+
+
 def stock_copies(array):
     """B stock models holding the array's current weights."""
     return array.unfuse()
@@ -111,10 +120,7 @@ def test_one_hot_labels_shared_or_per_model(per_model):
 
 def test_predict_and_evaluate_layout():
     x, y = data(n=10)
-    array = hftatf.fuse(mlp(), B)
-    array.compile(hftatf.optimizers.SGD(0.1),
-                  loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    array = sgd_classifier_array()
     predictions = array.predict(x, verbose=0)
     assert predictions.shape == (10, B, 3)
     for b, model in enumerate(array.unfuse()):
@@ -172,10 +178,7 @@ def test_keras_file_round_trip(tmp_path):
 
 def test_stock_callbacks_read_scalar_logs():
     x, y = data(n=32)
-    array = hftatf.fuse(mlp(), B)
-    array.compile(hftatf.optimizers.SGD(0.1),
-                  loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    array = sgd_classifier_array()
     # Keras infers the direction of `loss` and compiled metric names; a
     # per-model entry needs `mode`, as any other custom log entry does.
     per_model = keras.callbacks.EarlyStopping(
