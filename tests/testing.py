@@ -65,3 +65,113 @@ def max_slice_difference(fused, stock):
                             - np.asarray(stock_value))))
         for model, model_values in enumerate(stock)
         for fused_value, stock_value in zip(fused, model_values))
+
+
+# -- fused layers against B stock layers (the oracle) -----------------------
+
+
+def randomize_weights(layer, rng, scale=1.0):
+    """Gives every weight of a built stock layer random values (biases,
+    normalization offsets and statistics too), so no weight can hide behind
+    a zero or one initialisation. Variances stay positive."""
+    values = []
+    for weight in layer.weights:
+        value = scale * rng.standard_normal(weight.shape)
+        if "variance" in weight.name:
+            value = 0.5 + np.abs(value)
+        values.append(value.astype(weight.dtype))
+    layer.set_weights(values)
+
+
+def stacked_weights(stock_layers):
+    """The `[B, ...]` weights holding stock layer `b`'s weights at `b`."""
+    return [np.stack(ws) for ws in
+            zip(*(layer.get_weights() for layer in stock_layers))]
+
+
+def layer_outputs_and_gradients(layer, inputs, cotangents, training=None,
+                                **call_kwargs):
+    """`layer(*inputs)` and the gradients of `sum(output_i * cotangent_i)`
+    with respect to every input and every trainable weight.
+
+    Returns `(outputs, input_gradients, weight_gradients)` as NumPy lists.
+    """
+    import tensorflow as tf
+
+    inputs = [tf.constant(x) for x in inputs]
+    with tf.GradientTape() as tape:
+        for x in inputs:
+            if x.dtype.is_floating:
+                tape.watch(x)
+        kwargs = dict(call_kwargs)
+        if training is not None:
+            kwargs["training"] = training
+        outputs = layer(*inputs, **kwargs)
+        flat = [o for o in tf.nest.flatten(outputs)]
+        scalar = tf.add_n([tf.reduce_sum(tf.cast(o, "float32") * c)
+                           for o, c in zip(flat, cotangents)])
+    floating = [x for x in inputs if x.dtype.is_floating]
+    grads = tape.gradient(scalar, [*floating, *layer.trainable_weights],
+                          unconnected_gradients="zero")
+    grads = [np.asarray(tf.convert_to_tensor(g)) for g in grads]
+    return ([np.asarray(o) for o in flat], grads[:len(floating)],
+            grads[len(floating):])
+
+
+def compare_layer_with_stock(stock_layers, fused, inputs, rng, training=None,
+                             atol=ATOL, rtol=RTOL, shared=None,
+                             **call_kwargs):
+    """Asserts that model `b` of `fused` computes what `stock_layers[b]`
+    computes: outputs, input gradients, weight gradients and, after the
+    call, every weight (so moving statistics updated in training match).
+
+    `inputs` are the fused layer's inputs, `[batch, B, ...]` each (or
+    `[batch, ...]` where `shared[i]` is true, whose gradient must then be
+    the sum of the models' gradients); model `b` is fed `x[:, b]`. `fused`
+    must hold `stacked_weights(stock_layers)`. Returns the fused outputs.
+    """
+    import keras
+
+    shared = list(shared or [False] * len(inputs))
+    # The cotangents need the output shapes: one forward pass, whose state
+    # changes (moving statistics) are undone.
+    before = fused.get_weights()
+    kwargs = dict(call_kwargs)
+    if training is not None:
+        kwargs["training"] = training
+    cotangents = [rng.standard_normal(o.shape).astype("float32")
+                  for o in keras.tree.flatten(fused(*inputs, **kwargs))]
+    fused.set_weights(before)
+    y, dx, dw = layer_outputs_and_gradients(
+        fused, inputs, cotangents, training=training, **call_kwargs)
+    after = fused.get_weights()
+    floating = [i for i, x in enumerate(inputs)
+                if np.issubdtype(np.asarray(x).dtype, np.floating)]
+    shared_sums = {i: 0.0 for i in floating if shared[i]}
+    for b, layer in enumerate(stock_layers):
+        model_inputs = [x if s else x[:, b] for x, s in zip(inputs, shared)]
+        y_b, dx_b, dw_b = layer_outputs_and_gradients(
+            layer, model_inputs, [c[:, b] for c in cotangents],
+            training=training, **call_kwargs)
+        for i, (out, out_b) in enumerate(zip(y, y_b)):
+            assert_close(out[:, b], out_b, atol, rtol,
+                         err_msg=f"output {i} of model {b}")
+        for i, grad, grad_b in zip(floating, dx, dx_b):
+            if shared[i]:
+                shared_sums[i] = shared_sums[i] + grad_b
+            else:
+                assert_close(grad[:, b], grad_b, atol, rtol,
+                             err_msg=f"gradient of input {i}, model {b}")
+        assert len(dw) == len(dw_b)
+        for grad, grad_b, weight in zip(dw, dw_b, layer.trainable_weights):
+            assert_close(grad[b], grad_b, atol, rtol,
+                         err_msg=f"gradient of {weight.name}, model {b}")
+        for value, value_b, weight in zip(after, layer.get_weights(),
+                                          layer.weights):
+            assert_close(value[b], value_b, atol, rtol,
+                         err_msg=f"{weight.name} after the call, model {b}")
+    for i, grad in zip(floating, dx):
+        if shared[i]:
+            assert_close(grad, shared_sums[i], atol, rtol,
+                         err_msg=f"gradient of shared input {i}")
+    return y

@@ -37,7 +37,7 @@ PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
     "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum",
     "Concatenate", "Dot",
     # Preprocessing and masking.
-    "Rescaling", "Resizing", "CenterCrop", "Masking",
+    "Rescaling", "Resizing", "CenterCrop", "Masking", "UnitNormalization",
 ))
 
 

@@ -10,6 +10,21 @@ from hftatf.optimizers.adam import Adam
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.sgd import SGD
 
+# One module per optimizer family.
+from hftatf.optimizers.adadelta import *  # noqa: E402,F401,F403
+from hftatf.optimizers.adafactor import *  # noqa: E402,F401,F403
+from hftatf.optimizers.adagrad import *  # noqa: E402,F401,F403
+from hftatf.optimizers.adamax import *  # noqa: E402,F401,F403
+from hftatf.optimizers.adamw import *  # noqa: E402,F401,F403
+from hftatf.optimizers.ftrl import *  # noqa: E402,F401,F403
+from hftatf.optimizers.lamb import *  # noqa: E402,F401,F403
+from hftatf.optimizers.lars import *  # noqa: E402,F401,F403
+from hftatf.optimizers.lion import *  # noqa: E402,F401,F403
+from hftatf.optimizers.loss_scale import *  # noqa: E402,F401,F403
+from hftatf.optimizers.nadam import *  # noqa: E402,F401,F403
+from hftatf.optimizers.rmsprop import *  # noqa: E402,F401,F403
+from hftatf.optimizers import schedules  # noqa: E402,F401
+
 __all__ = ["Adam", "FusedOptimizer", "SGD", "get"]
 
 
