@@ -313,7 +313,7 @@ class FusedModel(keras.Model):
             y_pred = self(x, training=True)
             losses = self.compute_model_losses(
                 x, y, y_pred, sample_weight, training=True)
-            loss = self.optimizer.scale_loss(ops.sum(losses))
+            loss = self.optimizer.scale_model_losses(losses)
         if self.trainable_weights:
             gradients = tape.gradient(loss, self.trainable_weights)
             self.optimizer.apply_gradients(

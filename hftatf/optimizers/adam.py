@@ -52,7 +52,7 @@ class Adam(FusedOptimizer):
         beta_1 = self._hyper("beta_1", variable)
         beta_2 = self._hyper("beta_2", variable)
         epsilon = self._hyper("epsilon", variable)
-        local_step = ops.cast(self.iterations + 1, variable.dtype)
+        local_step = self._local_step(variable)
         beta_1_power = ops.power(beta_1, local_step)
         beta_2_power = ops.power(beta_2, local_step)
 

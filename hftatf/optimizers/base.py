@@ -206,6 +206,19 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         return broadcast_to_models(ops.cast(values, variable.dtype),
                                    len(variable.shape))
 
+    def _local_step(self, variable):
+        """The step number being taken (1 for the first update), in
+        `variable`'s dtype and broadcastable against it. Optimizers whose
+        math depends on the step (bias corrections, decays) read it here,
+        never from `self.iterations`: a model whose step is skipped (a
+        non-finite gradient under loss scaling) keeps its own count."""
+        return ops.cast(self.iterations + 1, variable.dtype)
+
+    def scale_model_losses(self, losses):
+        """The scalar the array differentiates, from its `[B]` losses: their
+        sum, scaled as `scale_loss` scales a stock model's loss."""
+        return self.scale_loss(ops.sum(losses))
+
     def _learning_rate_schedules(self):
         value = self._hyper_values["learning_rate"]
         if isinstance(value, Schedule):
