@@ -8,7 +8,12 @@ import keras
 import numpy as np
 
 from hftatf.layers import registry
-from hftatf.layers.fold import BroadcastToModels, has_random_state
+from hftatf.layers.fold import (
+    BroadcastToModels,
+    FoldModelAxis,
+    UnfoldModelAxis,
+    has_random_state,
+)
 from hftatf.model import FusedModel
 from hftatf.validation import check_num_models
 
@@ -55,14 +60,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
     walker = _Walker(num_models)
     new_inputs = [walker.input_like(x, shared)
                   for x, shared in zip(inputs, shared_inputs)]
-    if isinstance(model, keras.Sequential):
-        outputs = new_inputs[0]
-        for layer in model.layers:
-            outputs = walker(layer, outputs)
-    else:
-        outputs = model._run_through_graph(
-            new_inputs, operation_fn=lambda op: op, call_fn=walker)
-    outputs = keras.tree.map_structure(walker.per_model, outputs)
+    outputs = walker.run(model, new_inputs)
     return model_class(
         keras.tree.pack_sequence_as(structure, new_inputs),
         outputs,
@@ -116,6 +114,7 @@ class _Walker:
         self._fused = {}  # id(stock layer) -> fused layer
         self._stock_copies = {}  # id(stock layer) -> copy for shared inputs
         self._broadcasts = {}  # id(shared tensor) -> [batch, B, ...] tensor
+        self._folded = {}  # id([batch, B, ...] tensor) -> [batch * B, ...]
 
     def input_like(self, reference, shared):
         shape = tuple(reference.shape)
@@ -149,7 +148,22 @@ class _Walker:
             self._broadcasts[id(tensor)] = (tensor, broadcast)
         return self._broadcasts[id(tensor)][1]
 
+    def run(self, model, inputs):
+        """Rebuilds `model`'s graph on `inputs`; returns per-model outputs."""
+        if isinstance(model, keras.Sequential):
+            outputs = inputs[0]
+            for layer in model.layers:
+                outputs = self(layer, outputs)
+        else:
+            outputs = model._run_through_graph(
+                inputs, operation_fn=lambda op: op, call_fn=self)
+        return keras.tree.map_structure(self.per_model, outputs)
+
     def __call__(self, layer, *args, **kwargs):
+        if isinstance(layer, keras.Model):
+            return self._call_nested(layer, *args, **kwargs)
+        if not isinstance(layer, keras.layers.Layer):
+            return self._call_operation(layer, *args, **kwargs)
         tensors = [t for t in keras.tree.flatten((args, kwargs))
                    if isinstance(t, keras.KerasTensor)]
         if (tensors and all(self._is_shared(t) for t in tensors)
@@ -170,9 +184,66 @@ class _Walker:
         self._mark(outputs, False)
         return outputs
 
+    def _call_operation(self, operation, *args, **kwargs):
+        """A raw `keras.ops` node: once on shared tensors (it is
+        deterministic), folded over the models otherwise."""
+        tensors = [t for t in keras.tree.flatten((args, kwargs))
+                   if isinstance(t, keras.KerasTensor)]
+        if all(self._is_shared(t) for t in tensors):
+            outputs = operation(*args, **kwargs)
+            self._mark(outputs, True)
+            return outputs
+        def fold(x):
+            if not isinstance(x, keras.KerasTensor):
+                return x
+            if id(x) not in self._folded:
+                self._folded[id(x)] = (
+                    x, FoldModelAxis(self.num_models)(self.per_model(x)))
+            return self._folded[id(x)][1]
 
-def _weighted_layers(model):
-    return [layer for layer in model.layers if layer.weights]
+        def unfold(y):
+            if not isinstance(y, keras.KerasTensor):
+                return y
+            unfolded = UnfoldModelAxis(self.num_models)(y)
+            # A following operation reuses the folded tensor.
+            self._folded[id(unfolded)] = (unfolded, y)
+            return unfolded
+
+        args, kwargs = keras.tree.map_structure(fold, (args, kwargs))
+        outputs = keras.tree.map_structure(unfold, operation(*args, **kwargs))
+        self._mark(outputs, False)
+        return outputs
+
+    def _call_nested(self, model, *args, **kwargs):
+        """A functional or Sequential model used as a layer becomes a nested
+        model of fused layers, with its name, taking per-model inputs."""
+        if id(model) not in self._fused:
+            _check_fusable(model)
+            walker = _Walker(self.num_models)
+            inputs = [walker.input_like(x, shared=False)
+                      for x in keras.tree.flatten(_input_structure(model))]
+            nested = keras.Model(
+                keras.tree.pack_sequence_as(_input_structure(model), inputs),
+                walker.run(model, inputs), name=model.name)
+            nested.trainable = model.trainable
+            self._fused[id(model)] = (model, nested)
+        args, kwargs = keras.tree.map_structure(self.per_model, (args, kwargs))
+        outputs = self._fused[id(model)][1](*args, **kwargs)
+        self._mark(outputs, False)
+        return outputs
+
+
+def _weighted_layers(model, prefix=""):
+    """`(path, layer)` for every layer with weights, nested models entered:
+    the same paths name a stock model's layers and its array's."""
+    found = []
+    for layer in model.layers:
+        path = prefix + layer.name
+        if isinstance(layer, keras.Model):
+            found.extend(_weighted_layers(layer, path + "/"))
+        elif layer.weights:
+            found.append((path, layer))
+    return found
 
 
 def unfuse(array):
@@ -186,14 +257,14 @@ def unfuse(array):
             f"Array '{array.name}' was not made by hftatf.fuse or "
             "hftatf.fuse_models, so it has no stock architecture to unfuse "
             "into.")
-    stacked = {layer.name: layer.get_weights() for layer in array.layers
-               if layer.weights}
+    stacked = {path: layer.get_weights()
+               for path, layer in _weighted_layers(array)}
     models = []
     for index in range(array.num_models):
         # Deserializing consumes the config: take a fresh copy each time.
         model = keras.saving.deserialize_keras_object(array.source_config)
-        for layer in _weighted_layers(model):
-            layer.set_weights([w[index] for w in stacked[layer.name]])
+        for path, layer in _weighted_layers(model):
+            layer.set_weights([w[index] for w in stacked[path]])
         models.append(model)
     return models
 
@@ -222,11 +293,12 @@ def fuse_models(models, shared_inputs=True, name=None):
                 f"('{models[0].name}'): {difference}.")
     array = fuse(models[0], len(models), shared_inputs=shared_inputs,
                  name=name)
+    fused = dict(_weighted_layers(array))
     layers = [_weighted_layers(model) for model in models]
-    for position, layer in enumerate(layers[0]):
-        per_model = [model_layers[position].get_weights()
+    for position, (path, _) in enumerate(layers[0]):
+        per_model = [model_layers[position][1].get_weights()
                      for model_layers in layers]
-        array.get_layer(layer.name).set_weights(
+        fused[path].set_weights(
             [np.stack(weights) for weights in zip(*per_model)])
     return array
 
@@ -267,6 +339,11 @@ def _architecture(model):
     described = []
     for i, layer in enumerate(model.layers):
         layer_config = layer_configs[i] if i < len(layer_configs) else {}
+        if isinstance(layer, keras.Model):
+            # Inner layer names are the nested model's own: compare its
+            # architecture, not its names.
+            layer_config = {**layer_config,
+                            "config": _architecture(layer)}
         described.append({
             "position": i,
             "class": type(layer).__name__,

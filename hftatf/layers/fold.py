@@ -51,14 +51,47 @@ def unfold_model_axis(x, num_models):
     return ops.reshape(x, (-1, num_models, *ops.shape(x)[1:]))
 
 
+def _stochastic_depth():
+    from keras.src.applications import convnext
+
+    return convnext.StochasticDepth
+
+
+# Per-sample random layers that draw without a SeedGenerator of their own.
+UNSEEDED_RANDOM_LAYERS = (_stochastic_depth(),)
+
+
+def _fold_tensors(structure, name, num_models):
+    """Folds every tensor of `structure` (checking its model axis: a wrong
+    one would fold samples of different models together silently)."""
+    def fold(x):
+        if not _is_tensor(x):
+            return x
+        check_model_axis(name, num_models, tuple(x.shape))
+        return fold_model_axis(x)
+
+    return keras.tree.map_structure(fold, structure)
+
+
+def _unfold_tensors(structure, num_models):
+    return keras.tree.map_structure(
+        lambda y: unfold_model_axis(y, num_models) if _is_tensor(y) else y,
+        structure)
+
+
+def _is_tensor(x):
+    return isinstance(x, keras.KerasTensor) or ops.is_tensor(x)
+
+
 def has_random_state(layer):
     """Whether `layer` draws random numbers (dropout, noise, ...)."""
-    return any(isinstance(value, keras.random.SeedGenerator)
-               for value in vars(layer).values())
+    return isinstance(layer, UNSEEDED_RANDOM_LAYERS) or any(
+        isinstance(value, keras.random.SeedGenerator)
+        for value in vars(layer).values())
 
 
 @hftatf_export
-@registry.register(*PER_SAMPLE_LAYERS)
+@registry.register(*PER_SAMPLE_LAYERS, *UNSEEDED_RANDOM_LAYERS)
 class FusedFold(keras.layers.Wrapper):
     """Applies a stock per-sample layer without weights to every model.
 
@@ -106,10 +139,6 @@ class FusedFold(keras.layers.Wrapper):
         return (batch, self.num_models, *shape[1:])
 
     def call(self, inputs, training=None, mask=None):
-        # Checked on every call: a wrong model axis would otherwise fold
-        # samples of different models together without an error.
-        for x in keras.tree.flatten(inputs):
-            check_model_axis(self.name, self.num_models, tuple(x.shape))
         kwargs = {}
         if self.layer._call_has_training_arg and training is not None:
             kwargs["training"] = training
@@ -117,9 +146,8 @@ class FusedFold(keras.layers.Wrapper):
             kwargs["mask"] = keras.tree.map_structure(
                 lambda m: None if m is None else fold_model_axis(m), mask)
         outputs = self.layer(
-            keras.tree.map_structure(fold_model_axis, inputs), **kwargs)
-        return keras.tree.map_structure(
-            lambda y: unfold_model_axis(y, self.num_models), outputs)
+            _fold_tensors(inputs, self.name, self.num_models), **kwargs)
+        return _unfold_tensors(outputs, self.num_models)
 
     def compute_mask(self, inputs, mask=None):
         if not self.supports_masking and mask is None:
@@ -134,8 +162,17 @@ class FusedFold(keras.layers.Wrapper):
             lambda m: unfold_model_axis(m, self.num_models), folded)
 
     def compute_output_shape(self, input_shape):
-        folded = self.layer.compute_output_shape(keras.tree.map_shape_structure(
-            self._fold_shape, input_shape))
+        folded_input = keras.tree.map_shape_structure(
+            self._fold_shape, input_shape)
+        try:
+            folded = self.layer.compute_output_shape(folded_input)
+        except NotImplementedError:
+            # Layers without the method (e.g. keras.applications' own) are
+            # traced symbolically instead.
+            spec = self.layer.compute_output_spec(
+                keras.tree.map_shape_structure(
+                    lambda shape: keras.KerasTensor(shape), folded_input))
+            folded = keras.tree.map_structure(lambda t: t.shape, spec)
         return keras.tree.map_shape_structure(self._unfold_shape, folded)
 
     def get_config(self):
@@ -170,6 +207,69 @@ class BroadcastToModels(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], self.num_models, *input_shape[1:])
+
+    def get_config(self):
+        config = super().get_config()
+        config["num_models"] = self.num_models
+        return config
+
+
+@hftatf_export
+class FoldModelAxis(keras.layers.Layer):
+    """`[batch, B, ...]` -> `[batch * B, ...]`: the models' samples side by
+    side in one batch, for an operation that treats every sample alike.
+
+    `hftatf.fuse` puts raw `keras.ops` nodes of a functional model (e.g.
+    `ops.tanh(x)`, `ops.concatenate([a, b], axis=-1)`) between a
+    `FoldModelAxis` and an `UnfoldModelAxis`, so the operation runs once for
+    all models with its axis arguments unchanged. An operation that reduces
+    or indexes the batch axis would mix the models; write it as a layer.
+    """
+
+    def __init__(self, num_models, **kwargs):
+        super().__init__(**kwargs)
+        self.num_models = check_num_models(num_models)
+        self.supports_masking = True
+
+    def call(self, inputs):
+        check_model_axis(self.name, self.num_models, tuple(inputs.shape))
+        return fold_model_axis(inputs)
+
+    def compute_mask(self, inputs, mask=None):
+        return None if mask is None else fold_model_axis(mask)
+
+    def compute_output_shape(self, input_shape):
+        batch = input_shape[0]
+        return (None if batch is None else batch * self.num_models,
+                *input_shape[2:])
+
+    def get_config(self):
+        config = super().get_config()
+        config["num_models"] = self.num_models
+        return config
+
+
+@hftatf_export
+class UnfoldModelAxis(keras.layers.Layer):
+    """`[batch * B, ...]` -> `[batch, B, ...]`, the inverse of
+    `FoldModelAxis`."""
+
+    def __init__(self, num_models, **kwargs):
+        super().__init__(**kwargs)
+        self.num_models = check_num_models(num_models)
+        self.supports_masking = True
+
+    def call(self, inputs):
+        return unfold_model_axis(inputs, self.num_models)
+
+    def compute_mask(self, inputs, mask=None):
+        return None if mask is None else unfold_model_axis(
+            mask, self.num_models)
+
+    def compute_output_shape(self, input_shape):
+        batch = input_shape[0]
+        return (None if batch is None else batch // self.num_models,
+                self.num_models, *input_shape[1:])
 
     def get_config(self):
         config = super().get_config()

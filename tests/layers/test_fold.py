@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras.src.applications.convnext import StochasticDepth
 from testing import assert_close
 
 from hftatf.layers import (
@@ -18,6 +19,7 @@ from hftatf.layers import (
     FusedDense,
     FusedFold,
 )
+from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS
 
 NUM_MODELS = 3
 BATCH = 2
@@ -112,6 +114,10 @@ CASES = [
     ("Resizing", lambda: keras.layers.Resizing(3, 5), (4, 4, 2)),
     ("CenterCrop", lambda: keras.layers.CenterCrop(2, 3), (4, 5, 2)),
     ("Masking", lambda: keras.layers.Masking(), (4, 3)),
+    ("UnitNormalization", lambda: keras.layers.UnitNormalization(), (4, 3)),
+    ("UnitNormalization_axes", lambda: keras.layers.UnitNormalization(
+        axis=[1, 2]), (4, 3)),
+    ("StochasticDepth", lambda: StochasticDepth(0.3), (4, 3)),
 ]
 CASE_IDS = [case[0] for case in CASES]
 CASES_BY_ID = {case[0]: case for case in CASES}
@@ -145,8 +151,8 @@ def input_shapes(inputs):
 
 def test_table_covers_every_per_sample_layer():
     tested = {type(factory()) for _, factory, _ in CASES}
-    assert set(PER_SAMPLE_LAYERS) <= tested, (
-        set(PER_SAMPLE_LAYERS) - tested)
+    folded = set(PER_SAMPLE_LAYERS) | set(UNSEEDED_RANDOM_LAYERS)
+    assert folded <= tested, folded - tested
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
@@ -596,3 +602,25 @@ def test_saved_model_file_round_trip(tmp_path):
         type(layer.layer) for layer in model.layers
         if isinstance(layer, FusedFold)]
     np.testing.assert_array_equal(loaded(x), model(x))
+
+
+def test_stochastic_depth_drops_whole_samples_per_model():
+    rate = 0.3
+    rng = np.random.default_rng(9)
+    x = shared_positive_input(rng, (2, 3))
+    y = keras.ops.convert_to_numpy(
+        FusedFold(StochasticDepth(rate), NUM_MODELS)(x, training=True))
+    dropped = np.all(y == 0.0, axis=(2, 3))
+    kept = np.all(y != 0.0, axis=(2, 3))
+    # A residual branch is dropped whole, per sample and model.
+    np.testing.assert_array_equal(dropped, ~kept)
+    assert_close(y[kept], (x / (1 - rate))[kept])
+    n = RANDOM_BATCH
+    sd = np.sqrt(rate * (1 - rate) / n)
+    disagree = 2 * rate * (1 - rate)
+    sd_disagree = np.sqrt(disagree * (1 - disagree) / n)
+    for b in range(NUM_MODELS):
+        assert abs(dropped[:, b].mean() - rate) < 4 * sd, b
+        for c in range(b):
+            fraction = np.mean(dropped[:, b] != dropped[:, c])
+            assert abs(fraction - disagree) < 4 * sd_disagree, (b, c)

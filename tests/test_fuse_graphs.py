@@ -1,0 +1,214 @@
+"""hftatf.fuse on the graphs real Keras models have: nested models, raw
+`keras.ops` nodes, shared layers, several inputs and outputs, frozen layers,
+masks and mixed-precision policies. The oracle: each model of the array
+computes what the stock model with the same weights computes."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+from testing import assert_close
+
+import hftatf
+from hftatf.layers import FoldModelAxis, UnfoldModelAxis
+
+
+def randomized(model, seed):
+    """`model`'s architecture with random weights, as if trained."""
+    copy = keras.models.clone_model(model)
+    rng = np.random.default_rng(seed)
+    copy.set_weights([rng.normal(size=w.shape).astype(w.dtype)
+                      for w in copy.get_weights()])
+    return copy
+
+
+def assert_array_matches(models, array, inputs, atol=1e-5, rtol=1e-5):
+    """Array output `[:, b]` equals model b's output, for every output."""
+    outputs = keras.tree.flatten(array(inputs, training=False))
+    for b, model in enumerate(models):
+        expected = keras.tree.flatten(model(inputs, training=False))
+        assert len(outputs) == len(expected)
+        for i, (ours, theirs) in enumerate(zip(outputs, expected)):
+            assert_close(np.asarray(ours)[:, b], theirs, atol, rtol,
+                         err_msg=f"output {i} of model {b}")
+
+
+def assert_round_trip(models, array):
+    for model, unfused in zip(models, array.unfuse()):
+        ours, theirs = unfused.get_weights(), model.get_weights()
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(a, b)
+
+
+def nested_model():
+    block = keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(5, activation="relu"),
+        keras.layers.Dense(4),
+    ], name="block")
+    x = keras.Input((6,), name="x")
+    h = block(x)
+    h = keras.layers.Dense(4, name="head_in")(h)
+    inner_in = keras.Input((4,))
+    inner = keras.Model(inner_in, keras.layers.Dense(3)(inner_in),
+                        name="inner")
+    return keras.Model(x, inner(h) + block(x)[:, :3], name="outer")
+
+
+def test_nested_models_fuse_and_round_trip():
+    models = [randomized(nested_model(), seed) for seed in range(3)]
+    array = hftatf.fuse_models(models)
+    # The nested models stay nested, with their names.
+    assert {"block", "inner"} <= {layer.name for layer in array.layers}
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    assert_array_matches(models, array, x)
+    assert_round_trip(models, array)
+
+
+def test_nested_model_called_twice_stays_one_set_of_weights():
+    array = hftatf.fuse(nested_model(), 2)
+    block = array.get_layer("block")
+    # Two Dense layers, kernel and bias each.
+    assert len(block.weights) == 4
+    stock_weights = len(nested_model().weights)
+    assert len(array.weights) == stock_weights
+
+
+def raw_ops_model():
+    x = keras.Input((3, 4), name="x")
+    h = keras.layers.Dense(5)(x)
+    h = ops.concatenate([ops.tanh(h), h * 2.0], axis=-1)
+    h = ops.mean(h, axis=1) + ops.max(h, axis=1)
+    h = ops.transpose(ops.reshape(h, (-1, 2, 5)), (0, 2, 1))
+    return keras.Model(x, keras.layers.Dense(2)(ops.reshape(h, (-1, 10))))
+
+
+def test_raw_operations_act_per_model():
+    models = [randomized(raw_ops_model(), seed) for seed in range(3)]
+    array = hftatf.fuse_models(models)
+    x = np.random.default_rng(1).normal(size=(5, 3, 4)).astype("float32")
+    assert_array_matches(models, array, x)
+    # Consecutive operations share one fold of the model axis.
+    folds = [layer for layer in array.layers
+             if isinstance(layer, FoldModelAxis)]
+    unfolds = [layer for layer in array.layers
+               if isinstance(layer, UnfoldModelAxis)]
+    assert len(folds) < len(unfolds) + 2
+
+
+def test_raw_operations_on_a_shared_input_run_once():
+    x = keras.Input((4,))
+    y = keras.layers.Dense(2)(ops.square(x) - 1.0)
+    model = keras.Model(x, y)
+    array = hftatf.fuse(model, 3)
+    assert not any(isinstance(layer, FoldModelAxis) for layer in array.layers)
+    models = array.unfuse()
+    data = np.random.default_rng(2).normal(size=(5, 4)).astype("float32")
+    assert_array_matches(models, array, data)
+
+
+def test_fold_checks_the_model_axis():
+    with pytest.raises(ValueError, match="model"):
+        FoldModelAxis(3)(np.zeros((2, 4, 5), "float32"))
+
+
+def test_fold_layers_serialize():
+    for cls in (FoldModelAxis, UnfoldModelAxis):
+        layer = cls(4, name="f")
+        again = cls.from_config(layer.get_config())
+        assert again.num_models == 4 and again.name == "f"
+
+
+def shared_layer_model():
+    a = keras.Input((4,), name="a")
+    b = keras.Input((4,), name="b")
+    dense = keras.layers.Dense(3, name="shared")
+    merged = keras.layers.Concatenate()([dense(a), dense(b)])
+    return keras.Model([a, b], [keras.layers.Dense(2, name="y1")(merged),
+                                keras.layers.Dense(1, name="y2")(merged)])
+
+
+def test_shared_layers_and_several_inputs_and_outputs():
+    models = [randomized(shared_layer_model(), seed) for seed in range(2)]
+    array = hftatf.fuse_models(models, shared_inputs=[True, False])
+    assert len(array.get_layer("shared").weights) == 2
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(5, 4)).astype("float32")
+    b = rng.normal(size=(5, 2, 4)).astype("float32")
+    outputs = array([a, b])
+    for index, model in enumerate(models):
+        expected = model([a, b[:, index]])
+        for ours, theirs in zip(outputs, expected):
+            assert_close(np.asarray(ours)[:, index], theirs)
+    assert_round_trip(models, array)
+
+
+def test_frozen_layers_stay_frozen_per_model():
+    x = keras.Input((4,))
+    h = keras.layers.Dense(5, name="frozen", trainable=False)(x)
+    model = keras.Model(x, keras.layers.Dense(1, name="head")(h))
+    array = hftatf.fuse(model, 2)
+    assert not array.get_layer("frozen").trainable
+    before = array.get_layer("frozen").get_weights()
+    head_before = array.get_layer("head").get_weights()
+    array.compile(optimizer=hftatf.optimizers.SGD([0.1, 0.2]), loss="mse")
+    data = np.random.default_rng(4).normal(size=(8, 4)).astype("float32")
+    array.fit(data, np.ones((8, 1)), epochs=2, verbose=0)
+    for ours, theirs in zip(array.get_layer("frozen").get_weights(), before):
+        np.testing.assert_array_equal(ours, theirs)
+    assert not np.allclose(array.get_layer("head").get_weights()[0],
+                           head_before[0])
+
+
+def test_masks_propagate_through_the_array():
+    x = keras.Input((5, 3))
+    h = keras.layers.Masking(mask_value=0.0)(x)
+    h = keras.layers.Dense(4)(h)
+    model = keras.Model(x, keras.layers.GlobalAveragePooling1D()(h))
+    models = [randomized(model, seed) for seed in range(2)]
+    array = hftatf.fuse_models(models)
+    data = np.random.default_rng(5).normal(size=(3, 5, 3)).astype("float32")
+    data[:, 3:] = 0.0  # masked steps: the pooling must ignore them
+    assert_array_matches(models, array, data)
+    unmasked = np.asarray(array(data))[:, 0]
+    h_all = np.asarray(models[0].layers[2](data))
+    assert not np.allclose(unmasked, h_all.mean(axis=1))
+
+
+@pytest.fixture
+def bfloat16_policy():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_precision_policy_is_kept(bfloat16_policy):
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu")(x)
+    y = keras.layers.Activation("linear", dtype="float32")(
+        keras.layers.Dense(3)(h))
+    models = [randomized(keras.Model(x, y), seed) for seed in range(2)]
+    array = hftatf.fuse_models(models)
+    dense = [layer for layer in array.layers if "dense" in layer.name]
+    assert dense and all(
+        layer.dtype_policy.name == "mixed_bfloat16" for layer in dense)
+    assert all(w.dtype == "float32" for w in array.weights)
+    data = np.random.default_rng(6).normal(size=(4, 6)).astype("float32")
+    out = array(data)
+    assert out.dtype == "float32"
+    # bfloat16 has an 8-bit mantissa: relative error ~4e-3 per rounding,
+    # compounded over two layers of 6 and 8 terms.
+    assert_array_matches(models, array, data, atol=0.05, rtol=0.02)
+
+
+def test_unsupported_layer_inside_a_nested_model_is_named():
+    class Custom(keras.layers.Layer):
+        def call(self, x):
+            return x
+
+    block = keras.Sequential([keras.Input((3,)), Custom(name="odd")])
+    x = keras.Input((3,))
+    model = keras.Model(x, keras.layers.Dense(1)(block(x)))
+    with pytest.raises(ValueError, match="odd"):
+        hftatf.fuse(model, 2)
