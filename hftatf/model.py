@@ -53,6 +53,13 @@ def _clone_metrics(metrics):
         metrics is not None) else None
 
 
+def _expand_to(values, reference):
+    """Appends unit axes to `values` up to the rank of `reference`."""
+    return ops.reshape(values, (*ops.shape(values),
+                                *(1,) * (len(reference.shape)
+                                         - len(values.shape))))
+
+
 def _same_shape(a, b):
     return len(a) == len(b) and all(
         x is None or y is None or x == y for x, y in zip(a, b))
@@ -108,6 +115,7 @@ class FusedModel(keras.Model):
         self._model_losses = None
         self._model_metrics = None
         self._model_loss_tracker = None
+        self._class_weight = None
 
     @property
     def shared_inputs(self):
@@ -250,25 +258,79 @@ class FusedModel(keras.Model):
                 "the stock model) or per model as [batch, num_models, ...].")
         return per_model_sparse
 
-    def _model_targets(self, y, y_pred, sample_weight, index):
-        """Model `index`'s slice of predictions, labels and sample weights."""
+    def _is_per_model_weight(self, weight, prediction):
+        """Whether a sample weight is `[batch, B, ...]` (per model) rather
+        than shared (`[batch, ...]`, as for the stock model)."""
+        weight_shape, pred_shape = tuple(weight.shape), tuple(prediction.shape)
+        if len(weight_shape) < 2 or weight_shape[1] not in (
+                None, self.num_models):
+            return False
+        if len(weight_shape) == len(pred_shape) - 1:
+            return True  # [batch, B, *per-sample axes]
+        if len(weight_shape) != 2:
+            return False
+        # [batch, B] (per model, one weight per sample) or [batch, T] (shared,
+        # one weight per time step) for a sequence output.
+        if pred_shape[2] != self.num_models:
+            return True
+        if self._per_model_labels is None:
+            raise ValueError(
+                f"Cannot tell whether sample weights of shape {weight_shape} "
+                f"are per model ([batch, num_models]) or per time step "
+                f"([batch, timesteps]) for an output of shape {pred_shape}. "
+                "Pass per_model_labels=True or False to compile() to say.")
+        return bool(self._per_model_labels)
+
+    def _model_targets(self, y, y_pred, sample_weight, index, training=False):
+        """Model `index`'s slice of predictions, labels and sample weights
+        (times its class weights while `fit` applies them)."""
         pred = keras.tree.map_structure(lambda t: t[:, index], y_pred)
-        if y is None:
-            return None, pred, sample_weight
-        flat_y, flat_pred = keras.tree.flatten(y), keras.tree.flatten(y_pred)
-        pairs = (zip(flat_y, flat_pred) if len(flat_y) == len(flat_pred)
-                 else ((t, None) for t in flat_y))
-        per_model = [p is not None and self._is_per_model(t, p)
-                     if self._per_model_labels is None
-                     else bool(self._per_model_labels) for t, p in pairs]
-        labels = keras.tree.pack_sequence_as(y, [
-            t[:, index] if slice_it else t
-            for t, slice_it in zip(flat_y, per_model)])
-        if sample_weight is not None and any(per_model):
-            sample_weight = keras.tree.map_structure(
-                lambda w: w[:, index] if len(w.shape) >= 2 and (
-                    w.shape[1] == self.num_models) else w, sample_weight)
+        flat_pred = keras.tree.flatten(y_pred)
+        labels = None
+        if y is not None:
+            flat_y = keras.tree.flatten(y)
+            pairs = (zip(flat_y, flat_pred) if len(flat_y) == len(flat_pred)
+                     else ((t, None) for t in flat_y))
+            per_model = [p is not None and self._is_per_model(t, p)
+                         if self._per_model_labels is None
+                         else bool(self._per_model_labels) for t, p in pairs]
+            labels = keras.tree.pack_sequence_as(y, [
+                t[:, index] if slice_it else t
+                for t, slice_it in zip(flat_y, per_model)])
+        if sample_weight is not None:
+            flat_w = keras.tree.flatten(sample_weight)
+            references = (flat_pred if len(flat_w) == len(flat_pred)
+                          else [flat_pred[0]] * len(flat_w))
+            sample_weight = keras.tree.pack_sequence_as(sample_weight, [
+                None if w is None else w[:, index]
+                if self._is_per_model_weight(w, p) else w
+                for w, p in zip(flat_w, references)])
+        if training and self._class_weight is not None and labels is not None:
+            sample_weight = self._with_class_weights(labels, sample_weight)
         return labels, pred, sample_weight
+
+    def _with_class_weights(self, labels, sample_weight):
+        """Multiplies in the class weight of each sample's label, read as
+        stock Keras reads it (class ids, or the argmax of one-hot rows)."""
+        flat = keras.tree.flatten(labels)
+        if len(flat) != 1:
+            raise ValueError(
+                "`class_weight` is only supported for arrays with a single "
+                "output, as in Keras. Use sample weights per output instead.")
+        ids = flat[0]
+        if len(ids.shape) > 1:
+            ids = (ops.squeeze(ids, -1) if ids.shape[-1] == 1
+                   else ops.argmax(ids, axis=-1))
+        ids = ops.cast(ops.round(ops.cast(ids, "float32")), "int32")
+        table = ops.convert_to_tensor(self._class_weight, "float32")
+        inside = (ids >= 0) & (ids < len(self._class_weight))
+        weights = ops.where(inside, ops.take(
+            table, ops.clip(ids, 0, len(self._class_weight) - 1)), 1.0)
+        if sample_weight is None:
+            return weights
+        return keras.tree.map_structure(
+            lambda w: ops.cast(w, "float32") * _expand_to(weights, w),
+            sample_weight)
 
     def compute_model_losses(self, x=None, y=None, y_pred=None,
                              sample_weight=None, training=True):
@@ -279,11 +341,11 @@ class FusedModel(keras.Model):
         losses. A scalar loss added with `add_loss` belongs to no single
         model; it is split evenly between them.
         """
-        del x, training
+        del x
         losses = []
         for index in range(self.num_models):
             labels, pred, weights = self._model_targets(
-                y, y_pred, sample_weight, index)
+                y, y_pred, sample_weight, index, training=training)
             loss = None
             if self._model_losses is not None:
                 loss = self._model_losses[index](labels, pred, weights)
@@ -321,7 +383,26 @@ class FusedModel(keras.Model):
         else:
             warnings.warn("The array does not have any trainable weights.",
                           stacklevel=2)
-        return self._track(x, y, y_pred, sample_weight, losses)
+        return self._track(x, y, y_pred, sample_weight, losses, training=True)
+
+    def fit(self, *args, class_weight=None, **kwargs):
+        """As `keras.Model.fit`. `class_weight` weighs each model's samples
+        by the class of that model's own label (shared or per model)."""
+        table = None
+        if class_weight is not None:
+            if not isinstance(class_weight, dict) or not all(
+                    isinstance(k, int) and k >= 0 for k in class_weight):
+                raise ValueError(
+                    "`class_weight` must be a dict from class ids (integers "
+                    f">= 0) to weights. Received: class_weight={class_weight!r}")
+            table = [1.0] * (max(class_weight, default=-1) + 1)
+            for class_id, weight in class_weight.items():
+                table[class_id] = float(weight)
+        if table != self._class_weight:
+            # The weights are constants of the traced step: trace anew.
+            self._class_weight = table
+            self.train_function = None
+        return super().fit(*args, **kwargs)
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -330,14 +411,14 @@ class FusedModel(keras.Model):
             x, y, y_pred, sample_weight, training=False)
         return self._track(x, y, y_pred, sample_weight, losses)
 
-    def _track(self, x, y, y_pred, sample_weight, losses):
+    def _track(self, x, y, y_pred, sample_weight, losses, training=False):
         batch_size = ops.shape(keras.tree.flatten(x)[0])[0]
         self._model_loss_tracker.update_state(
             unscale_loss_for_distribution(losses), sample_weight=batch_size)
         if self._model_metrics is not None and y is not None:
             for index, metrics in enumerate(self._model_metrics):
                 labels, pred, weights = self._model_targets(
-                    y, y_pred, sample_weight, index)
+                    y, y_pred, sample_weight, index, training=training)
                 metrics.update_state(labels, pred, weights)
         return self.get_metrics_result()
 

@@ -1,0 +1,196 @@
+"""FusedModel's training step on what real training scripts pass it: sample
+and class weights (shared or per model), several outputs with their own
+losses and loss weights, regularization losses, steps_per_execution and
+jit_compile. The oracle: B stock models trained with stock `fit` on model
+b's slice of everything."""
+
+import keras
+import numpy as np
+import pytest
+from testing import assert_close
+
+import hftatf
+
+B = 3
+RATES = [0.1, 0.05, 0.2]
+N = 24
+BATCH = 8
+
+
+def classifier(regularized=False):
+    regularizer = keras.regularizers.L2(0.01) if regularized else None
+    x = keras.Input((5,), name="x")
+    h = keras.layers.Dense(8, activation="tanh", name="h",
+                           kernel_regularizer=regularizer)(x)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+def two_headed():
+    x = keras.Input((5,), name="x")
+    h = keras.layers.Dense(8, activation="relu", name="h")(x)
+    return keras.Model(x, {"cls": keras.layers.Dense(3, name="cls")(h),
+                           "reg": keras.layers.Dense(2, name="reg")(h)})
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def train_both(builder, x, fit_array, fit_stock, compile_kwargs,
+               steps_per_execution=1, jit_compile="auto"):
+    """Trains an array and its B stock twins from the same weights; returns
+    the array, the array's history and the stock models' histories."""
+    array = hftatf.fuse(builder(), B)
+    stock = array.unfuse()
+    array.compile(optimizer=hftatf.optimizers.SGD(RATES),
+                  steps_per_execution=steps_per_execution,
+                  jit_compile=jit_compile, **compile_kwargs)
+    history = fit_array(array)
+    stock_histories = []
+    for b, model in enumerate(stock):
+        model.compile(optimizer=keras.optimizers.SGD(RATES[b]),
+                      **compile_kwargs)
+        stock_histories.append(fit_stock(model, b))
+    for b, (model, trained) in enumerate(zip(stock, array.unfuse())):
+        for ours, theirs in zip(trained.weights, model.weights):
+            assert_close(ours, theirs, err_msg=f"model {b} {theirs.path}")
+    return array, history.history, [h.history for h in stock_histories]
+
+
+def data(seed=0, per_model_labels=False):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, 5)).astype("float32")
+    shape = (N, B) if per_model_labels else (N,)
+    return x, rng.integers(0, 3, shape).astype("int32"), rng
+
+
+def fit_kwargs():
+    return {"batch_size": BATCH, "epochs": 2, "shuffle": False, "verbose": 0}
+
+
+@pytest.mark.parametrize("per_model_labels", [False, True])
+def test_per_model_sample_weights(per_model_labels):
+    x, y, rng = data(1, per_model_labels)
+    weights = rng.uniform(0.0, 2.0, (N, B)).astype("float32")
+
+    def label(b):
+        return y[:, b] if per_model_labels else y
+
+    _, history, stock = train_both(
+        classifier, x,
+        lambda a: a.fit(x, y, sample_weight=weights, **fit_kwargs()),
+        lambda m, b: m.fit(x, label(b), sample_weight=weights[:, b],
+                           **fit_kwargs()),
+        {"loss": LOSS})
+    for b in range(B):
+        assert_close(history[f"loss_{b}"], stock[b]["loss"])
+
+
+@pytest.mark.parametrize("per_model_labels", [False, True])
+def test_shared_sample_weights(per_model_labels):
+    x, y, rng = data(2, per_model_labels)
+    weights = rng.uniform(0.0, 2.0, (N,)).astype("float32")
+
+    def label(b):
+        return y[:, b] if per_model_labels else y
+
+    train_both(
+        classifier, x,
+        lambda a: a.fit(x, y, sample_weight=weights, **fit_kwargs()),
+        lambda m, b: m.fit(x, label(b), sample_weight=weights,
+                           **fit_kwargs()),
+        {"loss": LOSS})
+
+
+@pytest.mark.parametrize("per_model_labels", [False, True])
+def test_class_weights_follow_each_models_labels(per_model_labels):
+    x, y, _ = data(3, per_model_labels)
+    class_weight = {0: 0.2, 1: 3.0}  # class 2 keeps weight 1, as in Keras
+
+    def label(b):
+        return y[:, b] if per_model_labels else y
+
+    _, history, stock = train_both(
+        classifier, x,
+        lambda a: a.fit(x, y, class_weight=class_weight, **fit_kwargs()),
+        lambda m, b: m.fit(x, label(b), class_weight=class_weight,
+                           **fit_kwargs()),
+        {"loss": LOSS, "weighted_metrics": ["accuracy"]})
+    for b in range(B):
+        assert_close(history[f"loss_{b}"], stock[b]["loss"])
+        assert_close(history[f"accuracy_{b}"], stock[b]["accuracy"])
+
+
+def test_class_weights_are_not_kept_for_the_next_fit():
+    x, y, _ = data(4)
+    array = hftatf.fuse(classifier(), B)
+    array.compile(optimizer=hftatf.optimizers.SGD(0.0), loss=LOSS)
+    weighted = array.fit(x, y, class_weight={0: 5.0}, **fit_kwargs())
+    plain = array.fit(x, y, **fit_kwargs())
+    assert not np.allclose(weighted.history["loss"], plain.history["loss"])
+    assert_close(array.evaluate(x, y, verbose=0, return_dict=True)["loss"],
+                 plain.history["loss"][-1])
+
+
+def test_class_weight_is_validated():
+    x, y, _ = data(5)
+    array = hftatf.fuse(classifier(), B)
+    array.compile(optimizer="sgd", loss=LOSS)
+    with pytest.raises(ValueError, match="class_weight"):
+        array.fit(x, y, class_weight={"cat": 1.0}, verbose=0)
+
+
+def test_several_outputs_with_loss_weights():
+    x, _, rng = data(6)
+    targets = {"cls": rng.integers(0, 3, (N,)).astype("int32"),
+               "reg": rng.normal(size=(N, 2)).astype("float32")}
+    compile_kwargs = {"loss": {"cls": LOSS, "reg": "mse"},
+                      "loss_weights": {"cls": 1.0, "reg": 0.3},
+                      "metrics": {"cls": ["accuracy"], "reg": ["mae"]}}
+    _, history, stock = train_both(
+        two_headed, x,
+        lambda a: a.fit(x, targets, **fit_kwargs()),
+        lambda m, b: m.fit(x, targets, **fit_kwargs()),
+        compile_kwargs)
+    for b in range(B):
+        for name in ("loss", "cls_loss", "reg_loss", "cls_accuracy",
+                     "reg_mae"):
+            assert_close(history[f"{name}_{b}"], stock[b][name],
+                         err_msg=name)
+
+
+def test_regularization_losses_are_counted_per_model():
+    x, y, _ = data(7)
+    _, history, stock = train_both(
+        lambda: classifier(regularized=True), x,
+        lambda a: a.fit(x, y, **fit_kwargs()),
+        lambda m, b: m.fit(x, y, **fit_kwargs()),
+        {"loss": LOSS})
+    for b in range(B):
+        assert_close(history[f"loss_{b}"], stock[b]["loss"])
+
+
+@pytest.mark.parametrize("steps_per_execution, jit_compile", [
+    (3, "auto"), (1, True), (2, False)])
+def test_steps_per_execution_and_jit_compile(steps_per_execution,
+                                             jit_compile):
+    x, y, _ = data(8)
+    array, history, stock = train_both(
+        classifier, x,
+        lambda a: a.fit(x, y, **fit_kwargs()),
+        lambda m, b: m.fit(x, y, **fit_kwargs()),
+        {"loss": LOSS, "metrics": ["accuracy"]},
+        steps_per_execution=steps_per_execution, jit_compile=jit_compile)
+    assert array.jit_compile == (jit_compile in (True, "auto"))
+    for b in range(B):
+        assert_close(history[f"loss_{b}"], stock[b]["loss"])
+        assert_close(history[f"accuracy_{b}"], stock[b]["accuracy"])
+
+
+def test_predict_gives_every_models_outputs():
+    x, _, _ = data(9)
+    array = hftatf.fuse(two_headed(), B)
+    outputs = array.predict(x, batch_size=BATCH, verbose=0)
+    for b, model in enumerate(array.unfuse()):
+        expected = model.predict(x, batch_size=BATCH, verbose=0)
+        for name in ("cls", "reg"):
+            assert_close(outputs[name][:, b], expected[name])
