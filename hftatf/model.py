@@ -6,11 +6,15 @@ import warnings
 import keras
 import tensorflow as tf
 from keras import ops
+from keras.src import backend
 
 # CompileLoss and CompileMetrics are what stock `Model.compile` builds; one
 # per model gives every model exactly the stock loss and metric semantics
 # (string names, nested outputs, loss weights, "accuracy" resolution).
-from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.losses.loss import (
+    scale_loss_for_distribution,
+    unscale_loss_for_distribution,
+)
 from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
 from keras.src.trainers.trainer import model_supports_jit
 
@@ -219,6 +223,37 @@ class FusedModel(keras.Model):
             metrics=metrics, weighted_metrics=weighted_metrics,
             per_model_labels=per_model_labels)
 
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+        # Under a strategy, state must exist before the step is traced (not
+        # inside its conditionals): build the per-model losses and metrics
+        # as Keras builds its own.
+        unbuilt = [m for m in (self._model_metrics or []) + (
+            self._model_losses or []) if not m.built]
+        if not unbuilt or data_batch is None:
+            return
+
+        def symbolic(value):
+            if value is None:
+                return None
+            return keras.KerasTensor(
+                value.shape, keras.backend.standardize_dtype(value.dtype))
+
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(
+            keras.tree.map_structure(symbolic, data_batch))
+        y_pred = backend.compute_output_spec(self, x, training=False)
+        backend.compute_output_spec(
+            self._build_model_state, x, y, y_pred, sample_weight)
+
+    def _build_model_state(self, x, y, y_pred, sample_weight):
+        losses = self.compute_model_losses(x, y, y_pred, sample_weight,
+                                           training=False)
+        if self._model_metrics is not None and y is not None:
+            for index, metrics in enumerate(self._model_metrics):
+                metrics.update_state(*self._model_targets(
+                    y, y_pred, sample_weight, index))
+        return losses
+
     def compile_from_config(self, config):
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
@@ -354,7 +389,9 @@ class FusedModel(keras.Model):
         for extra in self.losses:
             if not keras.backend.is_float_dtype(extra.dtype):
                 extra = ops.cast(extra, keras.backend.floatx())
-            extra = ops.cast(extra, losses.dtype)
+            # Divided by the number of replicas, like the compiled loss, as
+            # Keras does for its models' added losses.
+            extra = scale_loss_for_distribution(ops.cast(extra, losses.dtype))
             if tuple(extra.shape) == (self.num_models,):
                 losses = losses + extra
             else:
@@ -394,7 +431,8 @@ class FusedModel(keras.Model):
                     isinstance(k, int) and k >= 0 for k in class_weight):
                 raise ValueError(
                     "`class_weight` must be a dict from class ids (integers "
-                    f">= 0) to weights. Received: class_weight={class_weight!r}")
+                    ">= 0) to weights. Received: "
+                    f"class_weight={class_weight!r}")
             table = [1.0] * (max(class_weight, default=-1) + 1)
             for class_id, weight in class_weight.items():
                 table[class_id] = float(weight)

@@ -180,6 +180,11 @@ class FusedFold(keras.layers.Wrapper):
         config["num_models"] = self.num_models
         return config
 
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # The stock Wrapper pops the layer out of the caller's dict.
+        return super().from_config(dict(config), custom_objects)
+
 
 @hftatf_export
 class BroadcastToModels(keras.layers.Layer):

@@ -20,7 +20,8 @@ class UserReLU(keras.layers.ReLU):
 
 
 @pytest.mark.parametrize("layer,class_name", [
-    pytest.param(keras.layers.LSTM(4, name="my_lstm"), "LSTM", id="LSTM"),
+    pytest.param(keras.layers.RNN(keras.layers.LSTMCell(4), name="my_rnn"),
+                 "RNN", id="RNN"),
     pytest.param(UserDense(4, name="my_dense"), "UserDense", id="UserDense"),
     pytest.param(UserReLU(name="my_relu"), "UserReLU", id="UserReLU"),
 ])

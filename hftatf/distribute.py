@@ -1,0 +1,108 @@
+"""Choosing the `tf.distribute` strategy an array trains under.
+
+Arrays train under any strategy like stock Keras models: create the array
+and compile it inside `strategy.scope()`. `strategy_from_name` builds the
+usual ones from a string, as launchers take it from a flag, and fails fast
+with a clear message where the hardware is missing (never a hang waiting
+for a TPU that does not answer).
+"""
+
+import os
+import socket
+import urllib.parse
+
+import tensorflow as tf
+
+STRATEGIES = ("auto", "tpu", "mirrored", "cpu")
+
+# How long to wait for a TPU worker's gRPC port before calling it
+# unreachable.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def strategy_from_name(name="auto", tpu=None, zone=None, project=None):
+    """Returns the `tf.distribute.Strategy` called `name`.
+
+    Args:
+        name: one of
+            * `"tpu"`: a `TPUStrategy` on the TPU given by `tpu` (its name,
+              a `grpc://host:port` address, or `"local"` on a TPU VM),
+              connected and initialised;
+            * `"mirrored"`: a `MirroredStrategy` over every local GPU (over
+              the CPU where there is none);
+            * `"cpu"`: a `OneDeviceStrategy` on the CPU;
+            * `"auto"`: a TPU if `tpu` is given or this is a TPU VM, else
+              mirrored over the GPUs if there are several, else the single
+              GPU, else the CPU.
+        tpu, zone, project: passed to `TPUClusterResolver` (`zone` and
+            `project` only matter for a TPU given by name on Cloud).
+
+    Raises:
+        ValueError: for an unknown name, or a TPU that cannot be reached.
+    """
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"Unknown strategy {name!r}; expected one of "
+            f"{', '.join(STRATEGIES)}.")
+    if name == "auto":
+        if tpu is not None or _on_tpu_vm():
+            return _tpu_strategy(tpu or "local", zone, project)
+        gpus = tf.config.list_logical_devices("GPU")
+        if len(gpus) > 1:
+            return tf.distribute.MirroredStrategy()
+        if gpus:
+            return tf.distribute.OneDeviceStrategy(gpus[0].name)
+        return tf.distribute.OneDeviceStrategy("/cpu:0")
+    if name == "tpu":
+        return _tpu_strategy(tpu, zone, project)
+    if name == "mirrored":
+        gpus = tf.config.list_logical_devices("GPU")
+        if gpus:
+            return tf.distribute.MirroredStrategy()
+        cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
+        return tf.distribute.MirroredStrategy(cpus)
+    return tf.distribute.OneDeviceStrategy("/cpu:0")
+
+
+def _on_tpu_vm():
+    """Whether this machine has TPU chips attached (a TPU VM)."""
+    return bool(os.environ.get("TPU_NAME")) or any(
+        os.path.exists(path) for path in ("/dev/accel0", "/dev/vfio/0"))
+
+
+def _tpu_strategy(tpu, zone, project):
+    if tpu is None:
+        tpu = os.environ.get("TPU_NAME")
+    if tpu is None:
+        raise ValueError(
+            "strategy 'tpu' needs a TPU: pass tpu=<name>, "
+            "tpu='grpc://host:port' or tpu='local' on a TPU VM (the "
+            "launchers' --tpu flag), or set TPU_NAME.")
+    if tpu == "local" and not _on_tpu_vm():
+        raise ValueError(
+            "tpu='local' asks for the TPU chips of this machine, but it has "
+            "none (no /dev/accel* device). Run on a TPU VM, or pass the "
+            "TPU's name or grpc:// address.")
+    if tpu.startswith("grpc://"):
+        _check_reachable(tpu)
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
+            tpu=tpu, zone=zone, project=project)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        raise ValueError(
+            f"Could not connect to the TPU {tpu!r}: {error}") from error
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def _check_reachable(address):
+    parsed = urllib.parse.urlparse(address)
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port),
+                                      timeout=CONNECT_TIMEOUT_S):
+            pass
+    except (OSError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"The TPU worker at {address} is not reachable ({error}). Check "
+            "the address and that the TPU is running.") from None

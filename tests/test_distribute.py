@@ -1,0 +1,60 @@
+"""Arrays under tf.distribute: strategies from names, and MirroredStrategy
+training equal to single-device training."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+from hftatf import distribute
+
+HERE = pathlib.Path(__file__).parent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_mirrored_training_equals_one_device(replicas):
+    result = subprocess.run(
+        [sys.executable, str(HERE / "mirrored_training.py"), str(replicas)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["replicas"] == replicas
+    assert "loss_2" in report["logs"] and "accuracy_1" in report["logs"]
+    # The same global batch, split across replicas: only the order of
+    # float32 sums differs.
+    assert report["max_weight_difference"] < 1e-5, report
+    assert report["max_log_difference"] < 1e-5, report
+
+
+def test_cpu_and_mirrored_strategies():
+    assert isinstance(distribute.strategy_from_name("cpu"),
+                      tf.distribute.OneDeviceStrategy)
+    mirrored = distribute.strategy_from_name("mirrored")
+    assert isinstance(mirrored, tf.distribute.MirroredStrategy)
+    assert mirrored.num_replicas_in_sync == len(
+        tf.config.list_logical_devices("CPU"))
+
+
+def test_auto_without_accelerators_is_the_cpu():
+    strategy = distribute.strategy_from_name("auto")
+    assert isinstance(strategy, tf.distribute.OneDeviceStrategy)
+
+
+@pytest.mark.parametrize("tpu, message", [
+    (None, "needs a TPU"),
+    ("local", "has none"),
+    ("grpc://127.0.0.1:9", "not reachable"),
+])
+def test_missing_tpu_is_a_clear_error(monkeypatch, tpu, message):
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    with pytest.raises(ValueError, match=message):
+        distribute.strategy_from_name("tpu", tpu=tpu)
+
+
+def test_unknown_strategy_name():
+    with pytest.raises(ValueError, match="Unknown strategy"):
+        distribute.strategy_from_name("gpu-cluster")
