@@ -1,0 +1,365 @@
+"""Fused wrappers against their oracle: B stock TimeDistributed and
+Bidirectional layers, with random weights stacked into one fused wrapper."""
+
+import keras
+import numpy as np
+import pytest
+from test_recurrent import CallWith, per_model_mask
+from testing import (
+    assert_close,
+    compare_layer_with_stock,
+    randomize_weights,
+    stacked_weights,
+)
+
+import hftatf
+from hftatf.layers import (
+    FusedBidirectional,
+    FusedDense,
+    FusedLSTM,
+    FusedTimeDistributed,
+    registry,
+)
+
+BATCH = 3
+STEPS = 4
+FEATURES = 5
+UNITS = 3
+NUM_MODELS = 2
+
+
+def stock_wrappers(make, input_shape, rng, num_models=NUM_MODELS):
+    """B built stock wrappers made by `make()`, every weight random."""
+    layers = []
+    for _ in range(num_models):
+        layer = make()
+        layer.build((None, *input_shape))
+        randomize_weights(layer, rng, scale=0.5)
+        layers.append(layer)
+    return layers
+
+
+def fused_twin(stock, input_shape):
+    """The fused form from the registry, holding the stock weights."""
+    fused = registry.fuse_layer(stock[0], len(stock))
+    fused.build((None, len(stock), *input_shape))
+    fused.set_weights(stacked_weights(stock))
+    assert [tuple(w.shape) for w in fused.weights] == [
+        (len(stock), *w.shape) for w in stock[0].weights]
+    return fused
+
+
+def per_model_inputs(rng, input_shape, num_models=NUM_MODELS):
+    return rng.standard_normal(
+        (BATCH, num_models, *input_shape)).astype("float32")
+
+
+# TimeDistributed.
+
+
+@pytest.mark.parametrize("input_shape", [(STEPS, FEATURES),
+                                         (STEPS, 2, FEATURES)],
+                         ids=["rank3", "rank4"])
+def test_time_distributed_dense_matches_stock(input_shape):
+    rng = np.random.default_rng(0)
+    stock = stock_wrappers(lambda: keras.layers.TimeDistributed(
+        keras.layers.Dense(UNITS, activation="tanh")), input_shape, rng)
+    fused = fused_twin(stock, input_shape)
+    assert type(fused) is FusedTimeDistributed
+    assert type(fused.layer) is FusedDense
+    outputs = compare_layer_with_stock(
+        stock, fused, [per_model_inputs(rng, input_shape)], rng)
+    assert outputs[0].shape == (BATCH, NUM_MODELS, *input_shape[:-1], UNITS)
+    assert fused.compute_output_shape((None, NUM_MODELS, *input_shape)) == (
+        None, NUM_MODELS, *input_shape[:-1], UNITS)
+
+
+def test_nested_time_distributed_matches_stock():
+    rng = np.random.default_rng(1)
+    input_shape = (STEPS, 2, FEATURES)
+    stock = stock_wrappers(lambda: keras.layers.TimeDistributed(
+        keras.layers.TimeDistributed(keras.layers.Dense(UNITS))),
+        input_shape, rng)
+    fused = fused_twin(stock, input_shape)
+    compare_layer_with_stock(stock, fused,
+                             [per_model_inputs(rng, input_shape)], rng)
+
+
+def test_time_distributed_dropout_per_model():
+    input_shape = (STEPS, FEATURES)
+    fused = FusedTimeDistributed.from_stock(keras.layers.TimeDistributed(
+        keras.layers.Dropout(0.5)), NUM_MODELS)
+    rng = np.random.default_rng(2)
+    x = np.repeat(per_model_inputs(rng, input_shape, 1), NUM_MODELS, axis=1)
+    np.testing.assert_array_equal(fused(x, training=False), x)
+    y = np.asarray(fused(x, training=True))
+    assert not np.allclose(y[:, 0], y[:, 1])
+    kept = y != 0
+    assert_close(y[kept], 2.0 * x[kept])
+
+
+def test_time_distributed_passes_the_mask_through():
+    fused = FusedTimeDistributed(FusedDense(NUM_MODELS, UNITS), NUM_MODELS)
+    x = np.ones((BATCH, NUM_MODELS, STEPS, FEATURES), "float32")
+    mask = per_model_mask()
+    np.testing.assert_array_equal(fused.compute_mask(x, mask), mask)
+
+
+def test_time_distributed_in_masked_model_matches_stock():
+    rng = np.random.default_rng(3)
+
+    def model():
+        return keras.Sequential([
+            keras.Input((STEPS, FEATURES)),
+            keras.layers.Masking(),
+            keras.layers.TimeDistributed(keras.layers.Dense(4)),
+            keras.layers.LSTM(UNITS),
+        ])
+
+    models = [model() for _ in range(NUM_MODELS)]
+    for m in models:
+        for layer in m.layers:
+            randomize_weights(layer, rng, scale=0.5)
+    array = hftatf.fuse_models(models, shared_inputs=False)
+    x = per_model_inputs(rng, (STEPS, FEATURES))
+    x[~per_model_mask()] = 0.0
+    y = np.asarray(array(x))
+    for b, m in enumerate(models):
+        assert_close(y[:, b], m(x[:, b]), err_msg=f"model {b}")
+
+
+def test_time_distributed_config_round_trip(tmp_path):
+    layer = FusedTimeDistributed(
+        FusedDense(3, UNITS, activation="relu",
+                   kernel_regularizer=keras.regularizers.L2(0.1)), 3,
+        name="fused_td")
+    config = layer.get_config()
+    assert config["num_models"] == 3
+    clone = FusedTimeDistributed.from_config(config)
+    assert clone.get_config() == config
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(layer))
+    assert type(restored) is FusedTimeDistributed
+    assert restored.get_config() == config
+
+    rng = np.random.default_rng(4)
+    inputs = keras.Input((3, STEPS, FEATURES))
+    model = keras.Model(inputs, layer(inputs))
+    for w in model.weights:
+        w.assign(rng.standard_normal(w.shape).astype("float32"))
+    path = tmp_path / "fused_td.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    x = per_model_inputs(rng, (STEPS, FEATURES), 3)
+    np.testing.assert_array_equal(loaded(x), model(x))
+
+
+def test_time_distributed_rejects_bad_input():
+    with pytest.raises(ValueError, match="num_models=3"):
+        FusedTimeDistributed(FusedDense(3, UNITS), 2)
+    layer = FusedTimeDistributed(FusedDense(2, UNITS), 2)
+    with pytest.raises(ValueError, match="at least 4 dimensions"):
+        layer(np.zeros((BATCH, 2, FEATURES), "float32"))
+    with pytest.raises(ValueError, match="num_models=2 on axis 1"):
+        layer(np.zeros((BATCH, 3, STEPS, FEATURES), "float32"))
+
+
+# Bidirectional.
+
+
+def bidirectional(rnn_class=keras.layers.LSTM, merge_mode="concat",
+                  backward=None, **kwargs):
+    def make():
+        backward_layer = None if backward is None else backward()
+        return keras.layers.Bidirectional(
+            rnn_class(UNITS, **kwargs), merge_mode=merge_mode,
+            backward_layer=backward_layer)
+    return make
+
+
+@pytest.mark.parametrize("return_sequences", [False, True],
+                         ids=["last", "sequences"])
+@pytest.mark.parametrize("merge_mode", ["concat", "sum", "mul", "ave", None])
+def test_bidirectional_lstm_matches_stock(merge_mode, return_sequences):
+    rng = np.random.default_rng(5)
+    input_shape = (STEPS, FEATURES)
+    stock = stock_wrappers(bidirectional(
+        merge_mode=merge_mode, return_sequences=return_sequences),
+        input_shape, rng)
+    fused = fused_twin(stock, input_shape)
+    assert type(fused) is FusedBidirectional
+    outputs = compare_layer_with_stock(
+        stock, fused, [per_model_inputs(rng, input_shape)], rng)
+    width = 2 * UNITS if merge_mode == "concat" else UNITS
+    inner = (STEPS,) if return_sequences else ()
+    expected = (BATCH, NUM_MODELS, *inner, width)
+    assert [o.shape for o in outputs] == [expected] * (
+        2 if merge_mode is None else 1)
+    shape = fused.compute_output_shape((None, NUM_MODELS, *input_shape))
+    assert keras.tree.flatten(shape)[-1] == width
+
+
+@pytest.mark.parametrize("rnn_class,merge_mode", [
+    (keras.layers.LSTM, "concat"), (keras.layers.LSTM, None),
+    (keras.layers.GRU, "sum"), (keras.layers.SimpleRNN, "ave"),
+], ids=["lstm-concat", "lstm-none", "gru-sum", "simple-ave"])
+def test_bidirectional_return_state_matches_stock(rnn_class, merge_mode):
+    rng = np.random.default_rng(6)
+    input_shape = (STEPS, FEATURES)
+    stock = stock_wrappers(bidirectional(
+        rnn_class, merge_mode=merge_mode, return_sequences=True,
+        return_state=True), input_shape, rng)
+    fused = fused_twin(stock, input_shape)
+    outputs = compare_layer_with_stock(
+        stock, fused, [per_model_inputs(rng, input_shape)], rng)
+    num_states = 2 * len(stock[0].forward_layer.state_size)
+    num_outputs = 2 if merge_mode is None else 1
+    assert len(outputs) == num_outputs + num_states
+    for state in outputs[num_outputs:]:
+        assert state.shape == (BATCH, NUM_MODELS, UNITS)
+
+
+def test_bidirectional_with_backward_layer_matches_stock():
+    rng = np.random.default_rng(7)
+    input_shape = (STEPS, FEATURES)
+    stock = stock_wrappers(bidirectional(
+        return_sequences=True, backward=lambda: keras.layers.GRU(
+            UNITS, activation="relu", return_sequences=True,
+            go_backwards=True)), input_shape, rng)
+    fused = fused_twin(stock, input_shape)
+    assert type(fused.backward_layer) is hftatf.layers.FusedGRU
+    compare_layer_with_stock(stock, fused,
+                             [per_model_inputs(rng, input_shape)], rng)
+
+
+@pytest.mark.parametrize("rnn_class", [keras.layers.LSTM, keras.layers.GRU],
+                         ids=["lstm", "gru"])
+def test_bidirectional_mask_and_initial_state_match_stock(rnn_class):
+    rng = np.random.default_rng(8)
+    input_shape = (STEPS, FEATURES)
+    stock = stock_wrappers(bidirectional(
+        rnn_class, return_sequences=True, return_state=True), input_shape,
+        rng)
+    fused = fused_twin(stock, input_shape)
+    num_states = 2 * len(stock[0].forward_layer.state_size)
+    states = [rng.standard_normal((BATCH, NUM_MODELS, UNITS))
+              .astype("float32") for _ in range(num_states)]
+    compare_layer_with_stock(
+        [CallWith(layer, with_mask=True) for layer in stock],
+        CallWith(fused, with_mask=True),
+        [per_model_inputs(rng, input_shape), per_model_mask(), *states], rng)
+
+
+def test_bidirectional_weights_in_stock_order():
+    rng = np.random.default_rng(9)
+    stock = stock_wrappers(bidirectional(), (STEPS, FEATURES), rng)
+    fused = fused_twin(stock, (STEPS, FEATURES))
+    # Same sublayer names (forward_..., backward_...) and weight names as
+    # the stock wrapper it was fused from.
+    names = [w.path.split("/", 1)[1] for w in stock[0].weights]
+    assert [w.path.split("/", 1)[1] for w in fused.weights] == names
+    assert names[0].startswith("forward_") and names[-1].startswith(
+        "backward_")
+    for b, layer in enumerate(stock):
+        for got, expected in zip(fused.get_weights(), layer.get_weights()):
+            np.testing.assert_array_equal(got[b], expected)
+
+
+def test_bidirectional_config_round_trip(tmp_path):
+    layer = FusedBidirectional(
+        FusedLSTM(3, UNITS, return_sequences=True, dropout=0.1), 3,
+        merge_mode="mul", name="fused_bidirectional")
+    config = layer.get_config()
+    assert config["num_models"] == 3
+    assert config["merge_mode"] == "mul"
+    clone = FusedBidirectional.from_config(config)
+    assert clone.get_config() == config
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(layer))
+    assert type(restored) is FusedBidirectional
+    assert restored.get_config() == config
+
+    rng = np.random.default_rng(10)
+    inputs = keras.Input((3, STEPS, FEATURES))
+    model = keras.Model(inputs, layer(inputs))
+    for w in model.weights:
+        w.assign(rng.standard_normal(w.shape).astype("float32"))
+    path = tmp_path / "fused_bidirectional.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    x = per_model_inputs(rng, (STEPS, FEATURES), 3)
+    np.testing.assert_array_equal(loaded(x), model(x))
+
+
+def test_bidirectional_rejects_bad_layers():
+    with pytest.raises(TypeError, match="fused recurrent layer"):
+        FusedBidirectional(keras.layers.LSTM(UNITS), 2)
+    with pytest.raises(ValueError, match="num_models=3"):
+        FusedBidirectional(FusedLSTM(3, UNITS), 2)
+    with pytest.raises(ValueError, match="merge mode"):
+        FusedBidirectional(FusedLSTM(2, UNITS), 2, merge_mode="max")
+
+
+# A small text classifier through hftatf.fuse_models.
+
+
+def text_classifier(vocabulary):
+    return keras.Sequential([
+        keras.Input((STEPS,), dtype="int32"),
+        keras.layers.Embedding(vocabulary, 4, mask_zero=True),
+        keras.layers.Bidirectional(
+            keras.layers.LSTM(UNITS, return_sequences=True)),
+        keras.layers.GRU(UNITS),
+        keras.layers.Dense(2, activation="softmax"),
+    ])
+
+
+def masked_float_classifier():
+    return keras.Sequential([
+        keras.Input((STEPS, FEATURES)),
+        keras.layers.Masking(),
+        keras.layers.Bidirectional(
+            keras.layers.LSTM(UNITS, return_sequences=True)),
+        keras.layers.GRU(UNITS),
+        keras.layers.Dense(2, activation="softmax"),
+    ])
+
+
+def random_models(make, rng):
+    models = [make() for _ in range(NUM_MODELS)]
+    for m in models:
+        for layer in m.layers:
+            randomize_weights(layer, rng, scale=0.5)
+    return models
+
+
+@pytest.mark.xfail(
+    not registry.is_supported(keras.layers.Embedding(2, 2)), strict=True,
+    reason="hftatf has no fused Embedding yet")
+def test_fuse_models_text_classifier():
+    rng = np.random.default_rng(11)
+    vocabulary = 7
+    models = random_models(lambda: text_classifier(vocabulary), rng)
+    array = hftatf.fuse_models(models)
+    ids = rng.integers(1, vocabulary, (BATCH, STEPS))
+    ids[0, -2:] = 0  # Padding: masked steps.
+    ids[1, :1] = 0
+    y = np.asarray(array(ids))
+    assert y.shape == (BATCH, NUM_MODELS, 2)
+    for b, m in enumerate(models):
+        assert_close(y[:, b], m(ids), err_msg=f"model {b}")
+
+
+def test_fuse_models_masked_classifier():
+    rng = np.random.default_rng(12)
+    models = random_models(masked_float_classifier, rng)
+    array = hftatf.fuse_models(models)
+    x = rng.standard_normal((BATCH, STEPS, FEATURES)).astype("float32")
+    x[0, -2:] = 0.0
+    x[1, :1] = 0.0
+    y = np.asarray(array(x))
+    for b, m in enumerate(models):
+        assert_close(y[:, b], m(x), err_msg=f"model {b}")
+    for m, unfused in zip(models, array.unfuse()):
+        for got, expected in zip(unfused.get_weights(), m.get_weights()):
+            np.testing.assert_array_equal(got, expected)
