@@ -1,3 +1,170 @@
-"""(in progress)"""
+"""Fused embedding lookup: one table per model."""
 
-__all__ = []
+import warnings
+
+import keras
+from keras import ops
+
+from hftatf.api import hftatf_export
+from hftatf.layers import registry
+from hftatf.layers.base import FusedLayer
+from hftatf.validation import check_model_axis
+
+__all__ = ["FusedEmbedding"]
+
+
+def _check_dim(name, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive integer. Received: {name}={value} "
+            f"(of type {type(value).__name__}).")
+
+
+@hftatf_export
+@registry.register(keras.layers.Embedding)
+class FusedEmbedding(FusedLayer):
+    """`keras.layers.Embedding` for an array of `num_models` models.
+
+    Layout:
+        input: integer ids `[batch, B, ...]`; model `b` looks up `x[:, b]` in
+            its own table.
+        output: `[batch, B, ..., output_dim]`.
+        mask (with `mask_zero=True`): `[batch, B, ...]`, `x != 0`.
+        embeddings: `[B, input_dim, output_dim]`.
+
+    Model `b` computes what the stock layer computes with table
+    `embeddings[b]`: one gather on the flattened `[B * input_dim,
+    output_dim]` table with the ids of model `b` offset by `b * input_dim`.
+    Negative ids count from the end of the model's own table, as in the
+    stock layer; an id out of range of its model's table is sent out of
+    range of the whole flattened table, so it behaves as an out-of-range id
+    does in the stock layer on the same device (an error from TensorFlow's
+    CPU kernel, zeros on GPU) and never reads another model's rows. Each
+    table slice is initialised as a separate stock `Embedding` would be.
+
+    The gradient of `embeddings` is dense, `[B, input_dim, output_dim]`: per
+    model, the stock `IndexedSlices` gradient summed over repeated ids.
+    Stock optimizers apply a stock layer's `IndexedSlices` occurrence by
+    occurrence and only to the rows looked up, which equals the dense
+    update for plain SGD but not for Adam, RMSprop and other optimizers
+    with per-row state.
+
+    Args:
+        num_models: the number of models `B` in the array.
+        input_dim, output_dim, embeddings_initializer,
+        embeddings_regularizer, activity_regularizer, embeddings_constraint,
+        mask_zero: as in `keras.layers.Embedding`; the regularizer and the
+            constraint apply to each model's table.
+        weights: optional initial tables, `[B, input_dim, output_dim]` (or a
+            list holding that one array), as the stock `weights` argument
+            with the model axis in front.
+        lora_rank, lora_alpha, quantization_config: accepted for signature
+            parity with `keras.layers.Embedding`; must be `None` (LoRA and
+            quantization are not supported in arrays).
+    """
+
+    def __init__(
+        self,
+        num_models,
+        input_dim,
+        output_dim,
+        embeddings_initializer="uniform",
+        embeddings_regularizer=None,
+        embeddings_constraint=None,
+        mask_zero=False,
+        weights=None,
+        lora_rank=None,
+        lora_alpha=None,
+        quantization_config=None,
+        **kwargs,
+    ):
+        _check_dim("input_dim", input_dim)
+        _check_dim("output_dim", output_dim)
+        if kwargs.pop("input_length", None) is not None:
+            warnings.warn(
+                "Argument `input_length` is deprecated. Just remove it.",
+                stacklevel=2)
+        super().__init__(num_models, **kwargs)
+        for arg, value in (("lora_rank", lora_rank),
+                           ("quantization_config", quantization_config)):
+            if value:
+                raise ValueError(
+                    f"FusedEmbedding does not support `{arg}`. Received: "
+                    f"{arg}={value!r}. Fuse the model before enabling LoRA "
+                    "or quantization on the exported per-model models.")
+        if self.dtype_policy.quantization_mode is not None:
+            raise ValueError(
+                "FusedEmbedding does not support quantized dtype policies. "
+                f"Received: dtype={self.dtype_policy.name!r}. Use a float "
+                "dtype policy.")
+        del lora_alpha
+        self.input_dim = input_dim
+        self.output_dim = output_dim
+        self.embeddings_initializer = keras.initializers.get(
+            embeddings_initializer)
+        self.embeddings_regularizer = keras.regularizers.get(
+            embeddings_regularizer)
+        self.embeddings_constraint = keras.constraints.get(
+            embeddings_constraint)
+        self.mask_zero = mask_zero
+        self.supports_masking = mask_zero
+        # Ids stay integers, as in the stock layer.
+        self.autocast = False
+        if weights is not None:
+            self.build()
+            if not (isinstance(weights, list) and len(weights) == 1):
+                weights = [weights]
+            self.set_weights(weights)
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        if input_shape is not None:
+            check_model_axis(self.name, self.num_models, input_shape)
+        self.input_spec = keras.layers.InputSpec(
+            min_ndim=2, axes={1: self.num_models})
+        self.embeddings = self.add_model_weight(
+            (self.input_dim, self.output_dim),
+            name="embeddings",
+            initializer=self.embeddings_initializer,
+            regularizer=self.embeddings_regularizer,
+            constraint=self.embeddings_constraint,
+        )
+
+    def call(self, inputs):
+        if inputs.dtype != "int32" and inputs.dtype != "int64":
+            inputs = ops.cast(inputs, "int32")
+        size = self.num_models * self.input_dim
+        ids = ops.where(ops.less(inputs, 0), inputs + self.input_dim, inputs)
+        in_range = ops.logical_and(ops.greater_equal(ids, 0),
+                                   ops.less(ids, self.input_dim))
+        offsets = ops.reshape(
+            ops.arange(0, size, self.input_dim, dtype=ids.dtype),
+            (1, self.num_models) + (1,) * (len(ids.shape) - 2))
+        ids = ops.where(in_range, ids + offsets, size)
+        table = ops.reshape(self.embeddings, (size, self.output_dim))
+        outputs = ops.take(table, ids, axis=0)
+        return ops.cast(outputs, dtype=self.compute_dtype)
+
+    def compute_mask(self, inputs, mask=None):
+        if not self.mask_zero:
+            return None
+        return ops.not_equal(inputs, 0)
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape, self.output_dim)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "input_dim": self.input_dim,
+            "output_dim": self.output_dim,
+            "embeddings_initializer": keras.initializers.serialize(
+                self.embeddings_initializer),
+            "embeddings_regularizer": keras.regularizers.serialize(
+                self.embeddings_regularizer),
+            "embeddings_constraint": keras.constraints.serialize(
+                self.embeddings_constraint),
+            "mask_zero": self.mask_zero,
+        })
+        return config

@@ -1,0 +1,264 @@
+"""FusedEmbedding against its oracle: B stock `keras.layers.Embedding`.
+
+Every test builds B stock layers with random tables, stacks the same tables
+into one `FusedEmbedding`, and compares what model `b` computes on the ids
+`x[:, b]` with what stock layer `b` computes on them.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from testing import (
+    assert_close,
+    compare_layer_with_stock,
+    randomize_weights,
+    stacked_weights,
+)
+
+from hftatf.layers import FusedEmbedding, registry
+
+BATCH = 4
+VOCAB = 7
+DIM = 3
+
+
+def stock_and_fused(num_models, rng, **kwargs):
+    stock = []
+    for _ in range(num_models):
+        layer = keras.layers.Embedding(VOCAB, DIM, **kwargs)
+        layer.build()
+        randomize_weights(layer, rng)
+        stock.append(layer)
+    fused = FusedEmbedding(num_models, VOCAB, DIM, **kwargs)
+    fused.build((None, num_models))
+    fused.set_weights(stacked_weights(stock))
+    return stock, fused
+
+
+@pytest.mark.parametrize("num_models", [1, 3])
+@pytest.mark.parametrize("inner_shape", [(), (5,), (2, 5)],
+                         ids=["rank1", "rank2", "rank3"])
+@pytest.mark.parametrize("dtype", ["int32", "int64", "float32"])
+def test_matches_stock_embedding(num_models, inner_shape, dtype):
+    rng = np.random.default_rng(0)
+    stock, fused = stock_and_fused(num_models, rng)
+    assert [tuple(w.shape) for w in fused.weights] == [
+        (num_models, VOCAB, DIM)]
+    # Every id of the vocabulary, so every row of every table is read.
+    ids = rng.integers(0, VOCAB, (2 * BATCH, num_models, *inner_shape))
+    ids.reshape(-1)[:VOCAB] = np.arange(VOCAB)
+    compare_layer_with_stock(stock, fused, [ids.astype(dtype)], rng)
+
+
+def test_negative_ids_count_from_the_end_of_each_table():
+    rng = np.random.default_rng(1)
+    stock, fused = stock_and_fused(3, rng)
+    ids = rng.integers(-VOCAB, VOCAB, (BATCH, 3, 5)).astype("int32")
+    compare_layer_with_stock(stock, fused, [ids], rng)
+
+
+@pytest.mark.parametrize("bad_id", [VOCAB, -VOCAB - 1])
+def test_out_of_range_id_fails_like_stock_on_cpu(bad_id):
+    # Model 0's out-of-range id must not read model 1's table: on CPU the
+    # lookup fails, as the stock lookup does.
+    rng = np.random.default_rng(2)
+    stock, fused = stock_and_fused(2, rng)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        stock[0](np.array([[bad_id]], "int32"))
+    ids = np.zeros((1, 2, 1), "int32")
+    ids[0, 0, 0] = bad_id
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        fused(ids)
+
+
+def test_matches_stock_under_xla():
+    rng = np.random.default_rng(3)
+    stock, fused = stock_and_fused(3, rng)
+    ids = rng.integers(0, VOCAB, (BATCH, 3, 5)).astype("int32")
+    y = tf.function(fused, jit_compile=True)(ids).numpy()
+    for b in range(3):
+        assert_close(y[:, b], stock[b](ids[:, b]))
+
+
+@pytest.mark.parametrize("inner_shape", [(5,), (2, 5)],
+                         ids=["rank2", "rank3"])
+def test_mask_zero_masks_equal_stock_masks(inner_shape):
+    rng = np.random.default_rng(4)
+    stock, fused = stock_and_fused(3, rng, mask_zero=True)
+    ids = rng.integers(0, 3, (BATCH, 3, *inner_shape)).astype("int32")
+    y = fused(ids)
+    mask = fused.compute_mask(ids)
+    assert mask.shape == ids.shape
+    np.testing.assert_array_equal(y._keras_mask, mask)
+    for b, layer in enumerate(stock):
+        np.testing.assert_array_equal(
+            mask[:, b], layer.compute_mask(ids[:, b]), err_msg=f"model {b}")
+        np.testing.assert_array_equal(
+            y._keras_mask[:, b], layer(ids[:, b])._keras_mask)
+    assert fused.compute_mask(ids) is not None
+    compare_layer_with_stock(stock, fused, [ids], rng)
+
+
+def test_no_mask_without_mask_zero():
+    rng = np.random.default_rng(5)
+    _, fused = stock_and_fused(2, rng)
+    assert fused.compute_mask(np.zeros((BATCH, 2, 5), "int32")) is None
+
+
+def test_symbolic_output_shape_and_mask():
+    fused = FusedEmbedding(2, VOCAB, DIM, mask_zero=True)
+    y = fused(keras.Input((2, 5), dtype="int32"))
+    assert tuple(y.shape) == (None, 2, 5, DIM)
+    assert tuple(y._keras_mask.shape) == (None, 2, 5)
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adam"])
+def test_training_step_matches_stock(optimizer):
+    # The fused gradient is dense: the sum of the stock IndexedSlices over
+    # repeated ids. Stock optimizers apply IndexedSlices occurrence by
+    # occurrence, which is the dense update for SGD but not for Adam; Adam
+    # is compared with the stock gradient made dense.
+    rng = np.random.default_rng(6)
+    stock, fused = stock_and_fused(3, rng)
+    ids = rng.integers(0, VOCAB, (BATCH, 3, 5)).astype("int32")
+    target = rng.standard_normal((BATCH, 3, 5, DIM)).astype("float32")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum((fused(ids) - target) ** 2)
+    getattr(keras.optimizers, optimizer)(0.1).apply(
+        tape.gradient(loss, fused.trainable_weights), fused.trainable_weights)
+    for b, layer in enumerate(stock):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((layer(ids[:, b]) - target[:, b]) ** 2)
+        grads = tape.gradient(loss, layer.trainable_weights)
+        if optimizer != "SGD":
+            grads = [tf.convert_to_tensor(g) for g in grads]
+        getattr(keras.optimizers, optimizer)(0.1).apply(
+            grads, layer.trainable_weights)
+        assert_close(fused.get_model_weights(b)[0], layer.get_weights()[0],
+                     err_msg=f"model {b}")
+
+
+# The `weights` argument.
+
+
+def test_weights_argument_sets_the_tables():
+    tables = np.random.default_rng(7).standard_normal(
+        (2, VOCAB, DIM)).astype("float32")
+    for weights in (tables, [tables]):
+        layer = FusedEmbedding(2, VOCAB, DIM, weights=weights)
+        np.testing.assert_array_equal(layer.embeddings, tables)
+    ids = np.array([[[1, 2], [3, 4]]], "int32")
+    y = np.asarray(layer(ids))
+    for b in range(2):
+        stock = keras.layers.Embedding(VOCAB, DIM, weights=tables[b])
+        np.testing.assert_array_equal(y[:, b], stock(ids[:, b]))
+
+
+def test_weights_argument_of_wrong_shape_is_refused():
+    with pytest.raises(ValueError):
+        FusedEmbedding(2, VOCAB, DIM, weights=np.zeros((VOCAB, DIM)))
+
+
+# Initialisation, regularizers and constraints, per model.
+
+
+def test_seeded_slices_equal_stock_layers_seeded_per_model():
+    fused = FusedEmbedding(
+        3, VOCAB, DIM,
+        embeddings_initializer=keras.initializers.RandomUniform(seed=11))
+    fused.build()
+    for b in range(3):
+        stock = keras.layers.Embedding(
+            VOCAB, DIM,
+            embeddings_initializer=keras.initializers.RandomUniform(
+                seed=11 + b))
+        stock.build()
+        assert_close(fused.embeddings[b], stock.embeddings, atol=0, rtol=0)
+
+
+def test_regularizers_give_per_model_losses():
+    rng = np.random.default_rng(8)
+    kwargs = {"embeddings_regularizer": keras.regularizers.L2(0.01),
+              "activity_regularizer": keras.regularizers.L1(0.02)}
+    stock, fused = stock_and_fused(3, rng, **kwargs)
+    ids = rng.integers(0, VOCAB, (BATCH, 3, 5)).astype("int32")
+    fused(ids)
+    losses = [loss.numpy() for loss in fused.losses]
+    assert [loss.shape for loss in losses] == [(3,), (3,)]
+    for b, layer in enumerate(stock):
+        layer(ids[:, b])
+        assert_close(sorted(loss[b] for loss in losses),
+                     sorted(loss.numpy() for loss in layer.losses),
+                     err_msg=f"model {b}")
+
+
+def test_constraint_applies_per_table():
+    rng = np.random.default_rng(9)
+    kwargs = {"embeddings_constraint": keras.constraints.MaxNorm(1.0)}
+    stock, fused = stock_and_fused(3, rng, **kwargs)
+    constrained = fused.embeddings.constraint(fused.embeddings).numpy()
+    for b, layer in enumerate(stock):
+        assert_close(constrained[b],
+                     layer.embeddings.constraint(layer.embeddings))
+
+
+# Serialization and the registry.
+
+
+def configured_layer():
+    return FusedEmbedding(
+        3, VOCAB, DIM,
+        embeddings_initializer=keras.initializers.RandomNormal(seed=3),
+        embeddings_regularizer=keras.regularizers.L2(0.01),
+        activity_regularizer=keras.regularizers.L1(0.02),
+        embeddings_constraint=keras.constraints.NonNeg(),
+        mask_zero=True,
+        name="fused_embedding_under_test",
+    )
+
+
+def test_config_round_trip():
+    layer = configured_layer()
+    config = layer.get_config()
+    assert config["num_models"] == 3
+    assert config["mask_zero"] is True
+    clone = FusedEmbedding.from_config(config)
+    assert clone.get_config() == config
+    restored = keras.saving.deserialize_keras_object(
+        keras.saving.serialize_keras_object(layer))
+    assert type(restored) is FusedEmbedding
+    assert restored.get_config() == config
+
+
+def test_registry_builds_from_stock_config():
+    stock = keras.layers.Embedding(VOCAB, DIM, mask_zero=True, name="emb")
+    fused = registry.fuse_layer(stock, 2)
+    assert type(fused) is FusedEmbedding
+    assert (fused.name, fused.input_dim, fused.output_dim, fused.mask_zero) \
+        == ("emb", VOCAB, DIM, True)
+
+
+# Bad input.
+
+
+@pytest.mark.parametrize("arg", ["lora_rank", "quantization_config"])
+def test_rejects_lora_and_quantization(arg):
+    with pytest.raises(ValueError, match=arg):
+        FusedEmbedding(2, VOCAB, DIM, **{arg: 4})
+
+
+@pytest.mark.parametrize("arg,value", [("input_dim", 0), ("output_dim", 2.0),
+                                       ("input_dim", True)])
+def test_rejects_bad_dims_like_stock(arg, value):
+    kwargs = {"input_dim": VOCAB, "output_dim": DIM, arg: value}
+    with pytest.raises(ValueError, match=arg):
+        keras.layers.Embedding(**kwargs)
+    with pytest.raises(ValueError, match=arg):
+        FusedEmbedding(2, **kwargs)
+
+
+def test_rejects_wrong_model_axis():
+    layer = FusedEmbedding(3, VOCAB, DIM)
+    with pytest.raises(ValueError, match="num_models=3 on axis 1"):
+        layer(np.zeros((BATCH, 2, 5), "int32"))
