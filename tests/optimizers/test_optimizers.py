@@ -580,7 +580,7 @@ def test_get_converts_a_stock_optimizer(name, kwargs):
 
 
 @pytest.mark.parametrize("stock", [
-    keras.optimizers.Adagrad, keras.optimizers.AdamW, keras.optimizers.RMSprop])
+    keras.optimizers.Muon, keras.optimizers.ScheduleFreeAdamW])
 def test_get_rejects_a_stock_optimizer_with_no_fused_form(stock):
     with pytest.raises(TypeError, match=stock.__name__):
         optimizers.get(stock())
@@ -594,7 +594,7 @@ def test_get_rejects_a_built_stock_optimizer():
 
 
 @pytest.mark.parametrize("identifier, error", [
-    ("nope", ValueError), ("adagrad", ValueError), (3, TypeError),
+    ("nope", ValueError), ("muon", ValueError), (3, TypeError),
     (None, TypeError)])
 def test_get_rejects_unknown_identifiers(identifier, error):
     with pytest.raises(error):
