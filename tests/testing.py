@@ -8,6 +8,16 @@ ATOL = 1e-5
 RTOL = 1e-5
 
 
+def moment_tolerance(a, b, num_sd=4.0):
+    """Tolerance on `var(a) / var(b) - 1` for two independent samples of
+    zero-mean values: `num_sd` standard deviations of the estimate, from each
+    sample's own fourth moment (Var(s^2) ~ (m4 - m2^2) / n)."""
+    def relative_var_of_var(v):
+        m2 = np.mean(v ** 2)
+        return (np.mean(v ** 4) / m2 ** 2 - 1.0) / v.size
+    return num_sd * np.sqrt(relative_var_of_var(a) + relative_var_of_var(b))
+
+
 def assert_close(actual, expected, atol=ATOL, rtol=RTOL, err_msg=""):
     np.testing.assert_allclose(np.asarray(actual), np.asarray(expected),
                                atol=atol, rtol=rtol, err_msg=err_msg)

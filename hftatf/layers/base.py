@@ -107,8 +107,12 @@ class FusedLayer(keras.layers.Layer):
         return cls.from_config({**layer.get_config(), "num_models": num_models})
 
     def add_model_weight(self, shape, name, initializer, regularizer=None,
-                         constraint=None, trainable=True, dtype=None):
-        """Adds a `[B, *shape]` weight, each slice initialised separately."""
+                         constraint=None, trainable=True, dtype=None,
+                         autocast=True):
+        """Adds a `[B, *shape]` weight, each slice initialised separately.
+
+        `autocast` as in `add_weight`: False for weights the stock layer
+        reads in their own dtype under a mixed precision policy."""
         return self.add_weight(
             shape=(self.num_models, *shape),
             name=name,
@@ -123,6 +127,7 @@ class FusedLayer(keras.layers.Layer):
             ),
             trainable=trainable,
             dtype=dtype,
+            autocast=autocast,
         )
 
     def get_model_weights(self, index):

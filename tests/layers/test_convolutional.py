@@ -16,6 +16,7 @@ from testing import (
     assert_close,
     compare_layer_with_stock,
     layer_outputs_and_gradients,
+    moment_tolerance,
     randomize_weights,
     stacked_weights,
 )
@@ -400,15 +401,6 @@ def test_auto_rule_reads_the_placement(monkeypatch):
 
 
 # -- Initialisation: every slice is a separate stock kernel. ----------------
-
-
-def moment_tolerance(a, b, num_sd=4.0):
-    """Tolerance on `var(a) / var(b) - 1` for two independent zero-mean
-    samples: `num_sd` standard deviations of the estimate."""
-    def relative_var_of_var(v):
-        m2 = np.mean(v ** 2)
-        return (np.mean(v ** 4) / m2 ** 2 - 1.0) / v.size
-    return num_sd * np.sqrt(relative_var_of_var(a) + relative_var_of_var(b))
 
 
 INIT_CASES = [

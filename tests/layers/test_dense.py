@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from testing import assert_close
+from testing import assert_close, moment_tolerance
 
 from hftatf.layers import FusedDense
 
@@ -140,16 +140,6 @@ def test_mask_passes_through():
 
 
 # Initialisation: each slice is a separate stock Dense.
-
-
-def moment_tolerance(a, b, num_sd=4.0):
-    """Tolerance on `var(a) / var(b) - 1` for two independent samples of
-    zero-mean values: `num_sd` standard deviations of the estimate, from each
-    sample's own fourth moment (Var(s^2) ~ (m4 - m2^2) / n)."""
-    def relative_var_of_var(v):
-        m2 = np.mean(v ** 2)
-        return (np.mean(v ** 4) / m2 ** 2 - 1.0) / v.size
-    return num_sd * np.sqrt(relative_var_of_var(a) + relative_var_of_var(b))
 
 
 @pytest.mark.parametrize("initializer", ["glorot_uniform", "he_normal",
