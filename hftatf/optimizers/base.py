@@ -9,12 +9,22 @@ changed between steps (from a callback, say) without retracing, and every
 model is updated exactly as a stock Keras optimizer with its own values
 would update it. Anything that takes a norm (`clipnorm`, `global_clipnorm`)
 takes it per model, never across models.
+
+Every model also keeps its own step count (`model_iterations`), and a step
+can be applied to some models only (`apply(..., model_mask=...)`): the
+models left out keep every variable, slot, moving average, accumulator and
+step count exactly as they were. `LossScaleOptimizer` uses this to skip, per
+model, the steps whose gradients overflowed, as the stock loss-scale
+optimizer skips the steps of a single model.
 """
 
+import contextlib
 import numbers
+import threading
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import ops
 
 from hftatf.layers.base import broadcast_to_models
@@ -46,13 +56,33 @@ class FusedOptimizer(keras.optimizers.Optimizer):
             sequence. Norms are taken per model: `clipnorm` over each
             variable's model slice, `global_clipnorm` over all of one model's
             gradients. A value of 0 disables clipping for that model.
-        use_ema, ema_momentum, ema_overwrite_frequency, loss_scale_factor,
-        gradient_accumulation_steps, name: as in `keras.optimizers.Optimizer`
-            (they act elementwise, so they never mix models).
+        use_ema, ema_overwrite_frequency, loss_scale_factor,
+        gradient_accumulation_steps, name: as in `keras.optimizers.Optimizer`,
+            applied to each model on its own step count (see below).
+        ema_momentum: a float in [0, 1] or a length-B sequence of them: model
+            `b`'s weights are averaged with `ema_momentum[b]`. Used only with
+            `use_ema=True`; defaults to 0.99, as in Keras.
         num_models: the number of models `B`. Optional: it is taken from the
             length of any per-model sequence, from `FusedModel.compile`, or
             from the variables the optimizer is built on.
+
+    Step counts: `iterations` counts the steps applied to any model;
+    `model_iterations` (`[B]`) counts each model's own steps, and is what
+    each model's learning-rate schedule, bias corrections
+    (`_local_step`), moving average and gradient accumulation read, exactly
+    as a stock optimizer reads its `iterations`. The two agree unless steps
+    were applied to some models only.
+
+    Partial steps: `apply(grads, model_mask=mask)` (and `apply_gradients`)
+    with a `[B]` boolean `mask` updates only the models where `mask` is
+    True. Subclasses get this for free as long as they update every
+    variable through `self.assign`, `self.assign_add` and `self.assign_sub`,
+    as stock optimizers do.
     """
+
+    # Whether `apply` itself skips, per model, the steps whose gradients are
+    # not finite (as loss scaling does); FusedModel reads it.
+    skips_nonfinite_steps = False
 
     def __init__(
         self,
@@ -68,29 +98,35 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         values = {"learning_rate": learning_rate}
         values.update(hyperparameters or {})
         values.update(weight_decay=weight_decay, clipnorm=clipnorm,
-                      clipvalue=clipvalue, global_clipnorm=global_clipnorm)
+                      clipvalue=clipvalue, global_clipnorm=global_clipnorm,
+                      ema_momentum=kwargs.pop("ema_momentum", 0.99))
         values = {name: _standardize(name, value)
                   for name, value in values.items()}
         lengths = {name: len(value) for name, value in values.items()
                    if isinstance(value, list)}
-        # The stock optimizer sees a placeholder learning rate: the real one
-        # is per model and handled by `_get_current_learning_rate`.
+        # The stock optimizer sees placeholders for the learning rate and the
+        # EMA momentum: the real ones are per model, read from `[B]`
+        # variables.
         super().__init__(
             learning_rate=_placeholder_learning_rate,
             weight_decay=weight_decay,
             clipnorm=clipnorm,
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
+            ema_momentum=0.99,
             **kwargs,
         )
         self._hyper_values = values
         self._hyper_variables = {}
         self._hyper_ranges = {}
+        self._model_iterations = None
         self._num_models = None
         if num_models is not None:
             self.num_models = num_models
         for name, length in lengths.items():
             self._set_num_models(length, f"`{name}` has {length} values")
+        if self.use_ema:
+            self._check_range("ema_momentum", 0.0, 1.0)
 
     # -- the model axis -----------------------------------------------------
 
@@ -126,7 +162,8 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     def get_hyperparameter(self, name):
         """Returns hyper-parameter `name` as a `[B]` NumPy array of values.
 
-        Learning-rate schedules are evaluated at the current iteration.
+        Learning-rate schedules are evaluated at each model's own step
+        count.
         Returns None for an optional hyper-parameter that is not set.
         """
         self._check_hyper_name(name)
@@ -207,12 +244,24 @@ class FusedOptimizer(keras.optimizers.Optimizer):
                                    len(variable.shape))
 
     def _local_step(self, variable):
-        """The step number being taken (1 for the first update), in
-        `variable`'s dtype and broadcastable against it. Optimizers whose
+        """Each model's number for the step being taken (1 for its first
+        update), as `[B, 1, ..., 1]` in `variable`'s dtype. Optimizers whose
         math depends on the step (bias corrections, decays) read it here,
         never from `self.iterations`: a model whose step is skipped (a
         non-finite gradient under loss scaling) keeps its own count."""
-        return ops.cast(self.iterations + 1, variable.dtype)
+        return self._per_model(self.model_iterations + 1, variable)
+
+    @property
+    def ema_momentum(self):
+        """The EMA momentum: a float, or one float per model."""
+        return self._hyper_config("ema_momentum")
+
+    @ema_momentum.setter
+    def ema_momentum(self, value):
+        # The stock constructor sets a placeholder before the per-model
+        # values exist; they are set from the constructor's argument.
+        if getattr(self, "_hyper_values", None) is not None:
+            self.set_hyperparameter("ema_momentum", value)
 
     def scale_model_losses(self, losses):
         """The scalar the array differentiates, from its `[B]` losses: their
@@ -239,14 +288,32 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     def _get_current_learning_rate(self):
         schedules = self._learning_rate_schedules()
         if schedules:
-            rates = ops.stack([ops.cast(s(self._iterations), "float32")
-                               for s in schedules])
-            if self.num_models is None:
-                return rates
-            return ops.broadcast_to(rates, (self.num_models,))
+            return self._scheduled_learning_rates(schedules)
         if "learning_rate" in self._hyper_variables:
             return self._hyper_variables["learning_rate"]
         return self.get_hyperparameter("learning_rate")
+
+    def _scheduled_learning_rates(self, schedules):
+        """Model `b`'s rate is its schedule at its own raw step count, as a
+        stock optimizer evaluates its schedule at its `_iterations`. A
+        schedule may also return one rate per model (`[B]`)."""
+        if self._model_iterations is None:
+            # Not built: every model is at step `_iterations`.
+            rates = [_as_vector(s(self._iterations)) for s in schedules]
+            if len(rates) == 1:
+                rates = rates[0]
+            else:
+                rates = ops.concatenate(rates)
+            if self.num_models is None:
+                return rates
+            return ops.broadcast_to(rates, (self.num_models,))
+        steps = _read(self._model_iterations)
+        rates = []
+        for model in range(self.num_models):
+            rate = schedules[model % len(schedules)](steps[model])
+            rate = ops.cast(rate, "float32")
+            rates.append(rate[model] if len(rate.shape) else rate)
+        return ops.stack(rates)
 
     # -- building -----------------------------------------------------------
 
@@ -255,7 +322,8 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         super().build(variables)
         for name, value in self._hyper_values.items():
             if value is None or name == "learning_rate" and (
-                    self._learning_rate_schedules()):
+                    self._learning_rate_schedules()) or (
+                    name == "ema_momentum" and not self.use_ema):
                 continue
             # An initializer, not an assign: Keras may build the optimizer
             # symbolically, where assignments do not run.
@@ -265,6 +333,11 @@ class FusedOptimizer(keras.optimizers.Optimizer):
                 (self.num_models,), name=name,
                 initializer=keras.initializers.Constant(initial.copy()),
                 aggregation="only_first_replica")
+        # Each model's own `_iterations`: the raw count of the steps applied
+        # to it (micro-steps under gradient accumulation), checkpointed.
+        self._model_iterations = self.add_variable(
+            (self.num_models,), name="model_iterations", dtype="int",
+            initializer="zeros", aggregation="only_first_replica")
 
     def _set_num_models_from(self, variables):
         for variable in variables:
@@ -329,7 +402,287 @@ class FusedOptimizer(keras.optimizers.Optimizer):
             if self._use_weight_decay(variable):
                 learning_rate = self._per_model(self.learning_rate, variable)
                 weight_decay = self._hyper("weight_decay", variable)
-                variable.assign_sub(variable * weight_decay * learning_rate)
+                self.assign_sub(variable,
+                                variable * weight_decay * learning_rate)
+
+    # -- steps per model ----------------------------------------------------
+
+    @property
+    def model_iterations(self):
+        """Each model's step count, `[B]`: what `iterations` is for a stock
+        optimizer (divided by `gradient_accumulation_steps` when gradients
+        are accumulated). Before the optimizer is built, `iterations`."""
+        if self._model_iterations is None:
+            return self.iterations
+        counts = _read(self._model_iterations)
+        if self.gradient_accumulation_steps:
+            counts = ops.floor_divide(counts,
+                                      self.gradient_accumulation_steps)
+        return counts
+
+    def apply_gradients(self, grads_and_vars, model_mask=None):
+        """As `keras.optimizers.Optimizer.apply_gradients`; `model_mask` as
+        in `apply`."""
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables, model_mask=model_mask)
+        return self._iterations
+
+    def apply(self, grads, trainable_variables=None, model_mask=None):
+        """Applies one step, as `keras.optimizers.Optimizer.apply`.
+
+        Args:
+            grads: one `[B, ...]` gradient per variable.
+            trainable_variables: the `[B, ...]` variables; optional once the
+                optimizer is built.
+            model_mask: None to update every model, or a `[B]` boolean
+                tensor: the models where it is False are left exactly as
+                they are (variables, slots, moving averages, gradient
+                accumulators, step counts), as if they had not taken this
+                step.
+        """
+        if len(grads) == 0:
+            return
+        trainable_variables = self._variables_to_update(grads,
+                                                        trainable_variables)
+        mask = self._standardize_model_mask(model_mask)
+        with keras.name_scope(self.name, caller=self), self._masked(mask):
+            grads, trainable_variables = self._filter_empty_gradients(
+                grads, trainable_variables)
+            grads, trainable_variables = (
+                self._overwrite_variables_directly_with_gradients(
+                    grads, trainable_variables))
+            if grads:
+                if self.loss_scale_factor is not None:
+                    grads = [g if g is None else g / self.loss_scale_factor
+                             for g in grads]
+                self._backend_apply_gradients(grads, trainable_variables)
+                for variable in trainable_variables:
+                    if variable.constraint is not None:
+                        self.assign(variable,
+                                    variable.constraint(variable))
+        if mask is None:
+            self._model_iterations.assign_add(
+                ops.ones((self.num_models,), self._model_iterations.dtype))
+            self._iterations.assign_add(1)
+        else:
+            self._model_iterations.assign_add(
+                ops.cast(mask, self._model_iterations.dtype))
+            self._iterations.assign_add(
+                ops.cast(ops.any(mask), self._iterations.dtype))
+
+    def _variables_to_update(self, grads, trainable_variables):
+        """Builds the optimizer if needed and returns the variables that
+        `grads` belong to, with the checks of the stock `apply`."""
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "When passing `grads` without `variables`, the optimizer "
+                    "must already be built on a list of variables. Call "
+                    "`optimizer.build(trainable_variables)` first.")
+            if len(grads) != len(self._trainable_variables_indices):
+                raise ValueError(
+                    f"Received {len(grads)} gradients, but the optimizer "
+                    f"was built on {len(self._trainable_variables)} "
+                    "variables. Pass one gradient per variable, in the "
+                    "order of the variables it was built with.")
+            return self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        self._check_variables_are_known(trainable_variables)
+        return trainable_variables
+
+    def _standardize_model_mask(self, model_mask):
+        if model_mask is None:
+            return None
+        mask = ops.cast(model_mask, "bool")
+        if tuple(mask.shape) != (self.num_models,):
+            raise ValueError(
+                f"`model_mask` must be a [num_models] = [{self.num_models}] "
+                f"vector of booleans (True: update that model). Received "
+                f"shape {tuple(mask.shape)}.")
+        return mask
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # The stock sequence (accumulate or update, then the moving
+        # average), with each model's own step count deciding what is due.
+        if self.gradient_accumulation_steps:
+            self._accumulate_or_update(grads, trainable_variables)
+        else:
+            self._update(grads, trainable_variables)
+        if self.use_ema:
+            self._update_model_variables_moving_average(
+                self._trainable_variables)
+            if self.ema_overwrite_frequency:
+                due = ops.equal(ops.mod(self.model_iterations + 1,
+                                        self.ema_overwrite_frequency), 0)
+                overwrite = self._overwrite_model_variables_with_average_value
+                self._for_models(
+                    due, lambda: overwrite(self._trainable_variables))
+
+    def _update(self, grads, trainable_variables):
+        grads = self._clip_gradients(grads)
+        self._apply_weight_decay(trainable_variables)
+        self._backend_update_step(grads, trainable_variables,
+                                  self.learning_rate)
+
+    def _accumulate_or_update(self, grads, trainable_variables):
+        """Stock gradient accumulation, per model: model `b` updates with
+        its accumulated mean gradient on every `gradient_accumulation_steps`
+        -th of its own steps, and accumulates on the others."""
+        steps = self.gradient_accumulation_steps
+        due = ops.equal(ops.mod(self._model_iterations + 1, steps), 0)
+        accumulators = [
+            self._accumulated_gradients[self._get_variable_index(v)]
+            for v in trainable_variables]
+        self._for_models(due, lambda: self._update(
+            [(g + a) / steps for g, a in zip(grads, accumulators)],
+            trainable_variables))
+        for gradient, accumulator in zip(grads, accumulators):
+            reset = broadcast_to_models(due, len(accumulator.shape))
+            self.assign(accumulator, ops.where(
+                reset, ops.zeros(accumulator.shape, accumulator.dtype),
+                accumulator + gradient))
+
+    def _for_models(self, due, update):
+        """Runs `update` for the models where the `[B]` boolean `due` holds
+        (and that the step applies to); the others are left untouched."""
+        with self._masked(due):
+            if tf.distribute.has_strategy():
+                # A replica-context cond may not hold a merge_call, which
+                # updates under tf.distribute make: run, selecting per model.
+                update()
+            else:
+                # Skips the work altogether on steps where no model is due.
+                ops.cond(ops.any(self._model_mask), update, lambda: None)
+
+    # -- moving averages of the weights, per model ---------------------------
+
+    def _update_model_variables_moving_average(self, trainable_variables):
+        """The stock EMA update, with model `b`'s momentum and step count:
+        the average is the weights themselves on the model's first step."""
+        if not self.use_ema:
+            return
+        not_first_step = ops.not_equal(self.model_iterations, 0)
+        for variable, average in zip(trainable_variables,
+                                     self._model_variables_moving_average):
+            if average is None:
+                continue
+            momentum = ops.multiply(
+                self._per_model(not_first_step, variable),
+                self._hyper("ema_momentum", variable))
+            self.assign(average,
+                        ops.multiply(momentum, average)
+                        + ops.multiply(ops.subtract(1, momentum), variable))
+
+    def _overwrite_model_variables_with_average_value(
+            self, trainable_variables):
+        """Copies the moving averages into the weights (of the models a
+        partial step applies to)."""
+        averages = self._model_variables_moving_average
+        if len(trainable_variables) != len(averages):
+            raise ValueError(
+                f"The optimizer holds moving averages of {len(averages)} "
+                f"variables but was given {len(trainable_variables)}. Pass "
+                "the variables the optimizer was built with.")
+        for variable, average in zip(trainable_variables, averages):
+            if average is not None:
+                self.assign(variable, _read(average))
+
+    # -- partial steps: updates restricted to some models --------------------
+
+    @property
+    def _model_mask(self):
+        """The `[B]` mask of the models being updated, or None (all)."""
+        return getattr(_MASKS, "masks", {}).get(id(self))
+
+    @contextlib.contextmanager
+    def _masked(self, mask, replace=False):
+        """Restricts updates to the models where `mask` holds (and where the
+        enclosing mask holds, unless `replace`). Masks are kept per thread:
+        tf.distribute runs each replica in a thread of its own."""
+        if not hasattr(_MASKS, "masks"):
+            _MASKS.masks = {}
+        masks = _MASKS.masks
+        previous = masks.get(id(self))
+        if mask is not None and previous is not None and not replace:
+            mask = ops.logical_and(previous, mask)
+        if mask is not None:
+            masks[id(self)] = mask
+        try:
+            yield
+        finally:
+            if previous is None:
+                masks.pop(id(self), None)
+            else:
+                masks[id(self)] = previous
+
+    def assign(self, variable, value):
+        mask = self._model_mask
+        if mask is None:
+            return super().assign(variable, value)
+        if isinstance(value, tf.IndexedSlices):
+            value = tf.tensor_scatter_nd_update(
+                _read(variable), ops.expand_dims(value.indices, -1),
+                value.values)
+        return super().assign(variable,
+                              self._select(mask, variable, value))
+
+    def assign_add(self, variable, value):
+        mask = self._model_mask
+        if mask is None:
+            return super().assign_add(variable, value)
+        return super().assign(variable, self._select(
+            mask, variable, _read(variable) + _dense(value, variable)))
+
+    def assign_sub(self, variable, value):
+        mask = self._model_mask
+        if mask is None:
+            return super().assign_sub(variable, value)
+        return super().assign(variable, self._select(
+            mask, variable, _read(variable) - _dense(value, variable)))
+
+    def _select(self, mask, variable, value):
+        """`value` for the models in `mask`, `variable`'s own value for the
+        others."""
+        if len(variable.shape) == 0:
+            raise ValueError(
+                f"Optimizer '{self.name}' updated the scalar variable "
+                f"'{variable.name}' during a step applied to some models "
+                "only; only [num_models, ...] variables can be updated per "
+                "model. Give the variable a leading model axis.")
+        mask = broadcast_to_models(mask, len(variable.shape))
+        return ops.where(mask, ops.cast(value, variable.dtype),
+                         _read(variable))
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        mask = self._model_mask
+        if mask is None:
+            return super()._backend_update_step(grads, trainable_variables,
+                                                learning_rate)
+        # As the TensorFlow optimizer does: gradients summed over replicas,
+        # then each variable updated in a cross-replica merge_call. The mask
+        # travels through the merge_call as an argument, so that each copy
+        # of a variable is updated with its own replica's mask.
+        trainable_variables = [_unwrap(v) for v in trainable_variables]
+        grads_and_vars = self._all_reduce_sum_gradients(
+            list(zip(grads, trainable_variables)))
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            self._masked_update_step, self._distribution_strategy,
+            grads_and_vars, learning_rate, mask)
+
+    def _masked_update_step(self, distribution, grads_and_vars,
+                            learning_rate, mask):
+        def update(variable, gradient, learning_rate, mask):
+            with self._masked(mask, replace=True):
+                return self.update_step(gradient, variable, learning_rate)
+
+        for gradient, variable in grads_and_vars:
+            distribution.extended.update(
+                variable, update, args=(gradient, learning_rate, mask),
+                group=False)
 
     # -- serialization ------------------------------------------------------
 
@@ -371,6 +724,29 @@ class FusedOptimizer(keras.optimizers.Optimizer):
                 keras.optimizers.schedules.deserialize(
                     r, custom_objects=custom_objects) for r in rate]
         return cls(**config)
+
+
+# Per thread, the masks of the partial steps being applied, by optimizer.
+_MASKS = threading.local()
+
+
+def _unwrap(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _read(variable):
+    """The value of a Keras or TensorFlow variable, as a tensor."""
+    return tf.convert_to_tensor(_unwrap(variable))
+
+
+def _dense(value, variable):
+    if isinstance(value, tf.IndexedSlices):
+        value = tf.convert_to_tensor(value)
+    return ops.cast(value, variable.dtype)
+
+
+def _as_vector(rate):
+    return ops.reshape(ops.cast(rate, "float32"), (-1,))
 
 
 def _placeholder_learning_rate():
