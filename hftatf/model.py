@@ -1,9 +1,11 @@
 """FusedModel: an array of B models trained, evaluated and served as one."""
 
 import json
+import logging
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import ops
 from keras.src import backend
@@ -42,6 +44,129 @@ class PerModelMean(keras.metrics.Metric):
 
     def get_config(self):
         return {**super().get_config(), "num_models": self.num_models}
+
+
+class ModelStatus(keras.metrics.Metric):
+    """Which models of an array still train.
+
+    `active[b]` is 1 while model `b` is updated; 0 once it is frozen (it
+    diverged, or a callback stopped it). `diverged[b]` is 1 once model `b`
+    produced a non-finite loss or gradient. Saved with the array's weights
+    (so a resumed run keeps them), and never reset between epochs.
+    """
+
+    def __init__(self, num_models, name="model_status", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_models = num_models
+        self.active = self.add_variable(
+            (num_models,), "ones", name="active",
+            aggregation="only_first_replica")
+        self.diverged = self.add_variable(
+            (num_models,), "zeros", name="diverged",
+            aggregation="only_first_replica")
+        self.diverged_at = self.add_variable(
+            (num_models,), "zeros", name="diverged_at",
+            aggregation="only_first_replica")
+
+    def update_state(self, diverging, step):
+        """Freezes the `diverging` models (`[B]` booleans) at `step`."""
+        diverging = ops.cast(diverging, self.dtype)
+        self.diverged_at.assign(ops.where(
+            diverging > 0, ops.cast(step, self.dtype), self.diverged_at))
+        self.diverged.assign(ops.maximum(self.diverged, diverging))
+        self.active.assign(self.active * (1.0 - diverging))
+
+    def reset_state(self):
+        # Epoch boundaries must not revive frozen models.
+        pass
+
+    def result(self):
+        return self.active
+
+    def get_config(self):
+        return {**super().get_config(), "num_models": self.num_models}
+
+
+class _DivergenceReport(keras.callbacks.Callback):
+    """Logs each model of the array that diverged, once."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._report()
+
+    def on_train_end(self, logs=None):
+        self._report()
+
+    def _report(self):
+        model = self.model
+        steps = ops.convert_to_numpy(model._status.diverged_at)
+        for index in np.flatnonzero(model.diverged_models):
+            if index not in model._reported_divergence:
+                model._reported_divergence.add(int(index))
+                logging.warning(
+                    "Model %d of array '%s' diverged at step %d (non-finite "
+                    "loss or gradient). It is frozen with its last finite "
+                    "weights and its loss is logged as NaN; the other models "
+                    "train on.", index, model.name, int(steps[index]))
+
+
+def _finite_per_model(tensors, num_models):
+    """`[B]` booleans: whether model `b`'s slice of every tensor is finite."""
+    finite = ops.ones((num_models,), "bool")
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if isinstance(tensor, tf.IndexedSlices):
+            # Rows of a [B, ...] variable: the indices are model indices.
+            rows = ops.all(ops.reshape(ops.isfinite(tensor.values),
+                                       (ops.shape(tensor.values)[0], -1)),
+                           axis=1)
+            per_model = tf.math.unsorted_segment_min(
+                ops.cast(rows, "int32"), tensor.indices, num_models) > 0
+        else:
+            per_model = ops.all(ops.reshape(ops.isfinite(tensor),
+                                            (num_models, -1)), axis=1)
+        finite = ops.logical_and(finite, per_model)
+    return finite
+
+
+def _model_slice(tensor, index):
+    """`tensor[:, index]`, keeping the logits Keras caches on softmax and
+    sigmoid outputs (its crossentropy reads them for exactness)."""
+    sliced = tensor[:, index]
+    logits = getattr(tensor, "_keras_logits", None)
+    if logits is not None:
+        try:
+            sliced._keras_logits = logits[:, index]
+        except AttributeError:
+            pass
+    return sliced
+
+
+def _with_num_models(config, old, new):
+    """`config` with every `num_models` equal to `old` set to `new`."""
+    if isinstance(config, dict):
+        return {key: (new if key == "num_models" and value == old
+                      else _with_num_models(value, old, new))
+                for key, value in config.items()}
+    if isinstance(config, (list, tuple)):
+        return type(config)(_with_num_models(v, old, new) for v in config)
+    return config
+
+
+def _copy_model_slices(sources, targets, indices, num_models):
+    """Copies each source variable into its target: the model slices
+    `indices` of `[B, ...]` variables, whole for variables without a model
+    axis (e.g. a step counter)."""
+    for source, target in zip(sources, targets):
+        value = ops.convert_to_numpy(source)
+        if value.ndim and value.shape[0] == num_models:
+            value = value[indices]
+        if tuple(target.shape) != value.shape:
+            raise ValueError(
+                f"Cannot copy '{source.path}' of shape "
+                f"{tuple(source.shape)} into '{target.path}' of shape "
+                f"{tuple(target.shape)}.")
+        target.assign(value)
 
 
 def _clone_metrics(metrics):
@@ -120,6 +245,8 @@ class FusedModel(keras.Model):
         self._model_metrics = None
         self._model_loss_tracker = None
         self._class_weight = None
+        self._status = ModelStatus(self.num_models)
+        self._reported_divergence = set()
 
     @property
     def shared_inputs(self):
@@ -198,6 +325,13 @@ class FusedModel(keras.Model):
             auto_scale_loss: as in Keras.
         """
         optimizer = fused_optimizers.get(optimizer)
+        if (auto_scale_loss and self.dtype_policy.name == "mixed_float16"
+                and not isinstance(optimizer,
+                                   keras.optimizers.LossScaleOptimizer)):
+            # What stock compile does, with per-model scales: a stock
+            # LossScaleOptimizer would skip every model when one overflows.
+            optimizer = fused_optimizers.LossScaleOptimizer(
+                optimizer, name="loss_scale_optimizer")
         optimizer.num_models = self.num_models
         super().compile(
             optimizer=optimizer, loss=loss, loss_weights=loss_weights,
@@ -319,7 +453,8 @@ class FusedModel(keras.Model):
     def _model_targets(self, y, y_pred, sample_weight, index, training=False):
         """Model `index`'s slice of predictions, labels and sample weights
         (times its class weights while `fit` applies them)."""
-        pred = keras.tree.map_structure(lambda t: t[:, index], y_pred)
+        pred = keras.tree.map_structure(
+            lambda t: _model_slice(t, index), y_pred)
         flat_pred = keras.tree.flatten(y_pred)
         labels = None
         if y is not None:
@@ -413,13 +548,25 @@ class FusedModel(keras.Model):
             losses = self.compute_model_losses(
                 x, y, y_pred, sample_weight, training=True)
             loss = self.optimizer.scale_model_losses(losses)
+        finite = _finite_per_model([losses], self.num_models)
         if self.trainable_weights:
             gradients = tape.gradient(loss, self.trainable_weights)
-            self.optimizer.apply_gradients(
-                zip(gradients, self.trainable_weights))
+            if not getattr(self.optimizer, "skips_nonfinite_steps", False):
+                # A loss-scaling optimizer skips such steps itself, per
+                # model, and they are no sign of divergence there.
+                finite = ops.logical_and(finite, _finite_per_model(
+                    gradients, self.num_models))
+            active = self._status.active > 0
+            self.optimizer.apply(gradients, self.trainable_weights,
+                                 model_mask=ops.logical_and(active, finite))
         else:
             warnings.warn("The array does not have any trainable weights.",
                           stacklevel=2)
+        # A diverging model is frozen before the step that would spoil its
+        # weights: it keeps its last finite state.
+        self._status.update_state(ops.logical_and(
+            self._status.active > 0, ops.logical_not(finite)),
+            self.optimizer.iterations)
         return self._track(x, y, y_pred, sample_weight, losses, training=True)
 
     def fit(self, *args, class_weight=None, **kwargs):
@@ -440,7 +587,12 @@ class FusedModel(keras.Model):
             # The weights are constants of the traced step: trace anew.
             self._class_weight = table
             self.train_function = None
-        return super().fit(*args, **kwargs)
+        callbacks = kwargs.pop("callbacks", None)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.append(_DivergenceReport())
+        else:
+            callbacks = [*(callbacks or []), _DivergenceReport()]
+        return super().fit(*args, callbacks=callbacks, **kwargs)
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -451,6 +603,9 @@ class FusedModel(keras.Model):
 
     def _track(self, x, y, y_pred, sample_weight, losses, training=False):
         batch_size = ops.shape(keras.tree.flatten(x)[0])[0]
+        # A diverged model's loss is reported as NaN from then on.
+        losses = ops.where(self._status.diverged > 0,
+                           ops.full_like(losses, float("nan")), losses)
         self._model_loss_tracker.update_state(
             unscale_loss_for_distribution(losses), sample_weight=batch_size)
         if self._model_metrics is not None and y is not None:
@@ -493,8 +648,15 @@ class FusedModel(keras.Model):
                 per_model.setdefault(name, [None] * self.num_models)
                 per_model[name][index] = value
         logs = {}
+        # The array's mean leaves out diverged models, so one failure does
+        # not turn every scalar log (and stock callbacks) into NaN.
+        healthy = ops.cast(self._status.diverged <= 0, "float32")
+        count = ops.sum(healthy)
         for name, values in per_model.items():
-            logs[name] = ops.mean(ops.stack(values))
+            stacked = ops.cast(ops.stack(values), "float32")
+            logs[name] = ops.where(count > 0, ops.sum(ops.where(
+                healthy > 0, stacked, 0.0)) / ops.maximum(count, 1.0),
+                float("nan"))
             for index, value in enumerate(values):
                 logs[f"{name}_{index}"] = value
         for metric in self._user_metrics():
@@ -504,12 +666,120 @@ class FusedModel(keras.Model):
     def _user_metrics(self):
         """Metrics attached to the array by its user (Keras tracks the
         array's own per-model trackers there too; they are left out)."""
-        own = {id(self._model_loss_tracker)}
+        own = {id(self._model_loss_tracker), id(self._status)}
         own.update(id(m) for m in self._model_metrics or ())
         own.update(id(m) for m in self._model_losses or ())
         return [m for m in self._metrics if id(m) not in own]
 
     # -- the array's models -------------------------------------------------
+
+    @property
+    def active_models(self):
+        """`[B]` booleans: the models still being trained."""
+        return ops.convert_to_numpy(self._status.active) > 0
+
+    @property
+    def diverged_models(self):
+        """`[B]` booleans: the models frozen because they diverged (a
+        non-finite loss or gradient)."""
+        return ops.convert_to_numpy(self._status.diverged) > 0
+
+    def freeze_models(self, indices):
+        """Stops training the models `indices`: from the next step their
+        weights, optimizer slots and step counts stay as they are."""
+        self._set_active(indices, 0.0)
+
+    def unfreeze_models(self, indices):
+        """Resumes training the models `indices` (not diverged ones)."""
+        indices = self._check_indices(indices)
+        diverged = [i for i in indices if self.diverged_models[i]]
+        if diverged:
+            raise ValueError(
+                f"Models {diverged} diverged; their weights hold no useful "
+                "state to resume from. Restore weights first with "
+                "set_model_weights, then unfreeze.")
+        self._set_active(indices, 1.0)
+
+    def _set_active(self, indices, value):
+        indices = self._check_indices(indices)
+        active = ops.convert_to_numpy(self._status.active).copy()
+        active[indices] = value
+        self._status.active.assign(active)
+
+    def _check_indices(self, indices):
+        indices = [indices] if isinstance(indices, int) else list(indices)
+        for index in indices:
+            if isinstance(index, bool) or not isinstance(
+                    index, (int, np.integer)) or not (
+                    0 <= index < self.num_models):
+                raise ValueError(
+                    f"Model indices must be integers in [0, "
+                    f"{self.num_models}). Received: {indices!r}.")
+        return [int(i) for i in indices]
+
+    def select(self, indices):
+        """Returns a smaller array holding only the models `indices`.
+
+        Each kept model keeps everything that makes it what it is: weights
+        (moving statistics included), and, if the array is compiled, its
+        optimizer state (slots, step count, per-model hyper-parameters and
+        schedules) and whether it is frozen or diverged. Training the new
+        array continues each kept model exactly as the old array would have,
+        so a tuner can drop losers without retraining the winners.
+
+        Args:
+            indices: the models to keep, in the new array's order.
+        """
+        indices = self._check_indices(indices)
+        if not indices:
+            raise ValueError("select() needs at least one model index.")
+        count = len(indices)
+        config = _with_num_models(self.get_config(), self.num_models, count)
+        array = type(self).from_config(config)
+        old_weights, new_weights = self.weights, array.weights
+        if len(old_weights) != len(new_weights):
+            raise ValueError(
+                f"Cannot select from array '{self.name}': rebuilding it gave "
+                f"{len(new_weights)} weights instead of {len(old_weights)}.")
+        B = self.num_models
+        _copy_model_slices(old_weights, new_weights, indices, B)
+        _copy_model_slices(
+            [self._status.active, self._status.diverged,
+             self._status.diverged_at],
+            [array._status.active, array._status.diverged,
+             array._status.diverged_at], indices, B)
+        if self.compiled and self.optimizer is not None:
+            optimizer = fused_optimizers.select(self.optimizer, indices)
+            compile_config = dict(self._compile_config.config)
+            compile_config["optimizer"] = optimizer
+            array.compile(**compile_config)
+            if self.optimizer.built:
+                optimizer.build(array.trainable_variables)
+                _copy_model_slices(self.optimizer.variables,
+                                   optimizer.variables, indices, B)
+        return array
+
+    def get_model_weights(self, index):
+        """Model `index`'s slice of every weight, in `self.weights` order."""
+        (index,) = self._check_indices(index)
+        return [ops.convert_to_numpy(w)[index] for w in self.weights]
+
+    def set_model_weights(self, index, weights):
+        """Sets model `index`'s slice of every weight (as returned by
+        `get_model_weights`); the other models are left untouched."""
+        (index,) = self._check_indices(index)
+        if len(weights) != len(self.weights):
+            raise ValueError(
+                f"The array holds {len(self.weights)} weights; received "
+                f"{len(weights)}.")
+        for variable, value in zip(self.weights, weights):
+            stacked = ops.convert_to_numpy(variable).copy()
+            if tuple(np.shape(value)) != stacked.shape[1:]:
+                raise ValueError(
+                    f"Weight '{variable.path}' has per-model shape "
+                    f"{stacked.shape[1:]}; received {np.shape(value)}.")
+            stacked[index] = value
+            variable.assign(stacked)
 
     def unfuse(self):
         """Returns the B models as plain Keras models with their weights."""
@@ -517,12 +787,21 @@ class FusedModel(keras.Model):
 
         return unfuse(self)
 
-    def export_models(self, directory, history=None):
-        """Writes each model as `.keras`, SavedModel and metadata; see
-        `hftatf.export.export_models`."""
+    def export_models(self, directory, history=None,
+                      format=("keras", "saved_model", "checkpoint")):
+        """Writes each model as `.keras`, SavedModel, checkpoint and
+        metadata; see `hftatf.export.export_models`."""
         from hftatf.export import export_models
 
-        return export_models(self, directory, history=history)
+        return export_models(self, directory, history=history, format=format)
+
+    @classmethod
+    def from_exported(cls, directory, **fuse_kwargs):
+        """The array written by `export_models`, to resume tuning or to
+        serve; see `hftatf.export.from_exported`."""
+        from hftatf.export import from_exported
+
+        return from_exported(directory, model_class=cls, **fuse_kwargs)
 
     # -- serialization ------------------------------------------------------
 

@@ -27,7 +27,7 @@ from hftatf.optimizers.nadam import *  # noqa: E402,F401,F403
 from hftatf.optimizers.rmsprop import *  # noqa: E402,F401,F403
 from hftatf.optimizers import schedules  # noqa: E402,F401
 
-__all__ = ["Adam", "FusedOptimizer", "SGD", "get", "schedules"]
+__all__ = ["Adam", "FusedOptimizer", "SGD", "get", "schedules", "select"]
 # And every optimizer class the family modules export.
 __all__ += sorted(
     name for name, obj in list(globals().items())
@@ -247,3 +247,37 @@ def _from_stock_loss_scale(stock):
                 f"`{key}`: {getattr(stock, key)!r} became "
                 f"{fused_config.get(key, '(missing)')!r}.")
     return fused
+
+
+def select(optimizer, indices):
+    """A new, unbuilt optimizer for the models `indices` of `optimizer`'s
+    array: same class and settings, with the kept models' per-model
+    hyper-parameters and schedules, in the order of `indices`.
+
+    The state (slots, step counts) is not copied: `FusedModel.select` copies
+    it once the new optimizer is built.
+    """
+    indices = list(indices)
+    inner = getattr(optimizer, "inner_optimizer", None)
+    config = optimizer.get_config()
+    if inner is not None:
+        config["inner_optimizer"] = select(inner, indices)
+        return type(optimizer)(**config)
+    schedules_ = optimizer._learning_rate_schedules()
+    for name in optimizer.hyperparameter_names:
+        value = config.get(name)
+        if name == "learning_rate" and schedules_:
+            config[name] = _select_schedules(
+                optimizer._hyper_values[name], indices)
+        elif isinstance(value, list):
+            config[name] = [value[j] for j in indices]
+    config["num_models"] = len(indices)
+    return type(optimizer).from_config(config)
+
+
+def _select_schedules(value, indices):
+    if isinstance(value, list):
+        return [value[j] for j in indices]
+    if isinstance(value, schedules.FusedSchedule):
+        return value.select(indices)
+    return value  # A stock schedule, shared by every model.

@@ -97,6 +97,9 @@ class FusedSchedule(Schedule):
         if isinstance(items, list):
             self._set_num_models(len(items),
                                  f"`{name}` has {len(items)} values")
+            if not hasattr(self, "_per_model_parameters"):
+                self._per_model_parameters = []
+            self._per_model_parameters.append(name)
         if low is not None:
             for item in items if isinstance(items, list) else [items]:
                 if item is not None and (item <= low if low_open
@@ -125,6 +128,27 @@ class FusedSchedule(Schedule):
 
     def get_config(self):
         return {"name": self.name, "num_models": self.num_models}
+
+    def select(self, indices):
+        """The schedule of the models `indices` only (e.g. for
+        `FusedModel.select`)."""
+        return type(self).from_config(self._selected_config(indices))
+
+    def _selected_config(self, indices):
+        config = self.get_config()
+        for name in getattr(self, "_per_model_parameters", ()):
+            # "key" or "key[i]", as given to `_parameter`.
+            key, _, position = name.partition("[")
+            if position:
+                entries = list(config[key])
+                i = int(position[:-1])
+                entries[i] = [entries[i][j] for j in indices]
+                config[key] = entries
+            else:
+                config[key] = [config[key][j] for j in indices]
+        if self.num_models is not None:
+            config["num_models"] = len(indices)
+        return config
 
 
 def _per_model_items(name, value, allow_none):
@@ -498,6 +522,16 @@ class LinearWarmup(FusedSchedule):
             "steps_per_epoch": self.steps_per_epoch,
             "initial_learning_rate": self.initial_learning_rate,
         }
+
+    def _selected_config(self, indices):
+        config = super()._selected_config(indices)
+        after = self.after
+        if isinstance(after, FusedSchedule):
+            config["after"] = keras.saving.serialize_keras_object(
+                after.select(indices))
+        elif isinstance(after, list) and isinstance(after[0], Schedule):
+            config["after"] = [config["after"][j] for j in indices]
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

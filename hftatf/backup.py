@@ -1,0 +1,167 @@
+"""Preemption-safe training: back up an array every epoch, resume exactly.
+
+TPU VMs and shared GPU queues kill jobs without warning. With
+`BackupAndRestore` in its callbacks, rerunning the same `fit` after a kill
+resumes from the last completed epoch with every model's weights, optimizer
+state (slots, step counts, per-model hyper-parameters) and frozen or
+diverged status, so the run ends as an uninterrupted one would (given a
+deterministic input pipeline and `tf.config.experimental.
+enable_op_determinism()`).
+"""
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import tempfile
+
+import keras
+import numpy as np
+from keras.src.backend.common import global_state
+from keras.src.random import seed_generator
+
+METADATA = "backup.json"
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up the array at the end of every epoch; restores it at the
+    start of `fit` if a backup exists.
+
+    Unlike the stock callback, a backup is written atomically (to a
+    temporary file, then renamed over the previous one, the metadata last)
+    and carries a SHA-256 checksum of its weights: a truncated or corrupted
+    backup is reported with a ValueError, never loaded.
+
+    Args:
+        backup_dir: where the backup lives (one per run).
+        delete_checkpoint: whether to delete the backup when `fit` ends
+            normally, as the stock callback does.
+    """
+
+    def __init__(self, backup_dir, delete_checkpoint=True):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError("`backup_dir` must be a directory path.")
+        self.backup_dir = pathlib.Path(backup_dir)
+        self.delete_checkpoint = delete_checkpoint
+
+    @property
+    def _metadata_path(self):
+        return self.backup_dir / METADATA
+
+    def on_train_begin(self, logs=None):
+        for leftover in self.backup_dir.glob(".tmp-*"):
+            leftover.unlink(missing_ok=True)  # From a killed run.
+        metadata = self._read_metadata()
+        if metadata is None:
+            return
+        if not self.model.built:
+            raise ValueError(
+                "BackupAndRestore needs a built model to restore into: call "
+                "the array on a batch (or fuse a built model) before fit().")
+        weights = self.backup_dir / metadata["weights"]
+        digest = _sha256(weights)
+        if digest != metadata["sha256"]:
+            raise ValueError(
+                f"The backup in {self.backup_dir} is corrupt: its weights "
+                f"file does not match its checksum ({digest} instead of "
+                f"{metadata['sha256']}). Delete the directory to start over.")
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        self.model.load_weights(weights)
+        states = metadata.get("random_states", [])
+        generators = _seed_generators(self.model)
+        if len(states) != len(generators):
+            raise ValueError(
+                f"The backup in {self.backup_dir} holds {len(states)} random "
+                f"generator states; the array has {len(generators)}. It was "
+                "written by another architecture: delete it to start over.")
+        global_state_value = metadata.get("global_random_state")
+        if global_state_value is not None:
+            # Unseeded random ops (e.g. stochastic depth) draw from it.
+            generators.append(seed_generator.global_seed_generator())
+            states = [*states, global_state_value]
+        for generator, state in zip(generators, states):
+            generator.state.assign(np.asarray(
+                state, dtype=generator.state.dtype))
+        self.model._initial_epoch = metadata["epoch"]
+        logging.info("Resumed array '%s' from %s at epoch %d.",
+                     self.model.name, self.backup_dir, metadata["epoch"])
+
+    def _read_metadata(self):
+        if not self._metadata_path.exists():
+            return None
+        try:
+            metadata = json.loads(self._metadata_path.read_text())
+            metadata["epoch"], metadata["sha256"]  # noqa: B018
+            weights = self.backup_dir / metadata["weights"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"The backup metadata {self._metadata_path} is unreadable "
+                f"({error}). Delete the directory to start over.") from None
+        if not weights.exists():
+            raise ValueError(
+                f"The backup in {self.backup_dir} names the weights file "
+                f"{metadata['weights']}, which is missing. Delete the "
+                "directory to start over.")
+        return metadata
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.backup_dir.mkdir(parents=True, exist_ok=True)
+        # A new weights file, then the metadata that points to it, then the
+        # old file goes: a kill at any moment leaves a consistent backup.
+        name = f"epoch-{epoch + 1}.weights.h5"
+        weights = _temporary(self.backup_dir, ".weights.h5")
+        self.model.save_weights(weights, overwrite=True)
+        digest = _sha256(weights)
+        os.replace(weights, self.backup_dir / name)
+        metadata = _temporary(self.backup_dir, ".json")
+        # Random states are not weights, but dropout masks after the
+        # restart must be those of an uninterrupted run.
+        states = [np.asarray(g.state).tolist()
+                  for g in _seed_generators(self.model)]
+        global_generator = global_state.get_global_attribute(
+            seed_generator.GLOBAL_SEED_GENERATOR)
+        metadata.write_text(json.dumps(
+            {"epoch": epoch + 1, "weights": name, "sha256": digest,
+             "random_states": states,
+             "global_random_state": None if global_generator is None
+             else np.asarray(global_generator.state).tolist()}))
+        os.replace(metadata, self._metadata_path)
+        for old in self.backup_dir.glob("epoch-*.weights.h5"):
+            if old.name != name:
+                old.unlink(missing_ok=True)
+
+    def on_train_end(self, logs=None):
+        if self.delete_checkpoint and self.backup_dir.exists():
+            self._metadata_path.unlink(missing_ok=True)
+            for path in self.backup_dir.glob("epoch-*.weights.h5"):
+                path.unlink(missing_ok=True)
+
+
+def _seed_generators(model):
+    """Every seed generator the model's layers draw from, in a fixed
+    order."""
+    generators = []
+    for layer in model._flatten_layers(include_self=True):
+        for generator in getattr(layer, "_seed_generators", ()):
+            if all(generator is not g for g in generators):
+                generators.append(generator)
+    return generators
+
+
+def _temporary(directory, suffix):
+    handle, name = tempfile.mkstemp(dir=directory, suffix=suffix,
+                                    prefix=".tmp-")
+    os.close(handle)
+    return pathlib.Path(name)
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,161 @@
+"""The models of an array as independent jobs: divergence isolation,
+freezing, per-model weights, and select() to keep only some models."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+from testing import assert_close
+
+import hftatf
+
+B = 3
+
+
+def regressor():
+    x = keras.Input((4,), name="x")
+    h = keras.layers.Dense(8, activation="tanh", name="h")(x)
+    return keras.Model(x, keras.layers.Dense(2, name="out")(h))
+
+
+def data(seed=0, n=32):
+    rng = np.random.default_rng(seed)
+    return (rng.normal(size=(n, 4)).astype("float32"),
+            rng.normal(size=(n, 2)).astype("float32"))
+
+
+def array_with(optimizer, seed=0):
+    keras.utils.set_random_seed(seed)
+    array = hftatf.fuse(regressor(), B)
+    array.compile(optimizer=optimizer, loss="mse")
+    return array
+
+
+def fit(array, epochs=3, **kwargs):
+    x, y = data()
+    return array.fit(x, y, batch_size=8, epochs=epochs, shuffle=False,
+                     verbose=0, **kwargs)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda rates: hftatf.optimizers.SGD(rates, momentum=0.9),
+    lambda rates: hftatf.optimizers.Adam(rates),
+], ids=["sgd_momentum", "adam"])
+def test_a_diverging_model_does_not_touch_the_others(make_optimizer, caplog):
+    healthy = array_with(make_optimizer([0.01, 0.02, 0.03]))
+    poisoned = array_with(make_optimizer([1e30, 0.02, 0.03]))
+    initial = poisoned.get_model_weights(0)
+    fit(healthy)
+    with caplog.at_level(logging.WARNING):
+        history = fit(poisoned).history
+    # Bit for bit: the other models never see model 0's failure.
+    for index in (1, 2):
+        for ours, theirs in zip(poisoned.get_model_weights(index),
+                                healthy.get_model_weights(index)):
+            np.testing.assert_array_equal(ours, theirs)
+    assert list(poisoned.diverged_models) == [True, False, False]
+    assert list(poisoned.active_models) == [False, True, True]
+    # Frozen with its last finite weights; its loss is reported as NaN.
+    frozen = poisoned.get_model_weights(0)
+    assert all(np.all(np.isfinite(w)) for w in frozen)
+    assert any(not np.array_equal(a, b) for a, b in zip(frozen, initial)) or (
+        history["loss_0"][0] != history["loss_0"][0])
+    assert np.isnan(history["loss_0"][-1])
+    assert np.all(np.isfinite(history["loss"]))
+    assert_close(history["loss"][-1],
+                 np.mean([history["loss_1"][-1], history["loss_2"][-1]]))
+    messages = [r.getMessage() for r in caplog.records
+                if "diverged" in r.getMessage()]
+    assert len(messages) == 1 and "Model 0" in messages[0]
+
+
+def test_a_frozen_model_keeps_its_weights_and_optimizer_state():
+    array = array_with(hftatf.optimizers.Adam([0.01, 0.02, 0.03]))
+    fit(array, epochs=1)
+    array.freeze_models([1])
+    weights = array.get_model_weights(1)
+    slots = [np.asarray(v)[1].copy() for v in array.optimizer.variables
+             if len(v.shape) and v.shape[0] == B]
+    others = array.get_model_weights(0)
+    fit(array, epochs=2)
+    for ours, theirs in zip(array.get_model_weights(1), weights):
+        np.testing.assert_array_equal(ours, theirs)
+    after = [np.asarray(v)[1] for v in array.optimizer.variables
+             if len(v.shape) and v.shape[0] == B]
+    for ours, theirs in zip(after, slots):
+        np.testing.assert_array_equal(ours, theirs)
+    assert not np.array_equal(array.get_model_weights(0)[0], others[0])
+    array.unfreeze_models([1])
+    fit(array, epochs=1)
+    assert not np.array_equal(array.get_model_weights(1)[0], weights[0])
+
+
+def test_model_indices_are_checked():
+    array = array_with("sgd")
+    for bad in ([3], [-1], [1.5], [True]):
+        with pytest.raises(ValueError, match="indices"):
+            array.freeze_models(bad)
+    with pytest.raises(ValueError, match="per-model shape"):
+        array.set_model_weights(0, [np.zeros((1,))] * len(array.weights))
+
+
+def test_set_model_weights_changes_one_model_only():
+    array = array_with("sgd")
+    other = array.get_model_weights(2)
+    new = [np.full(w.shape, 0.5, w.dtype) for w in array.get_model_weights(0)]
+    array.set_model_weights(0, new)
+    for ours, theirs in zip(array.get_model_weights(0), new):
+        np.testing.assert_array_equal(ours, theirs)
+    for ours, theirs in zip(array.get_model_weights(2), other):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: hftatf.optimizers.Adam([0.01, 0.02, 0.03], beta_1=[0.9, 0.8, 0.7]),
+    lambda: hftatf.optimizers.SGD(
+        [keras.optimizers.schedules.ExponentialDecay(r, 4, 0.5)
+         for r in (0.1, 0.05, 0.02)], momentum=0.9),
+    lambda: hftatf.optimizers.SGD(hftatf.optimizers.schedules.CosineDecay(
+        [0.1, 0.05, 0.02], decay_steps=20)),
+], ids=["adam", "stock_schedules", "fused_schedule"])
+def test_select_continues_the_kept_models_exactly(make_optimizer):
+    array = array_with(make_optimizer())
+    fit(array, epochs=2)
+    kept = array.select([2, 0])
+    assert kept.num_models == 2
+    for new, old in ((0, 2), (1, 0)):
+        for ours, theirs in zip(kept.get_model_weights(new),
+                                array.get_model_weights(old)):
+            np.testing.assert_array_equal(ours, theirs)
+    assert int(kept.optimizer.iterations) == int(array.optimizer.iterations)
+    fit(array, epochs=2)
+    history = fit(kept, epochs=2).history
+    assert "loss_1" in history and "loss_2" not in history
+    for new, old in ((0, 2), (1, 0)):
+        for ours, theirs in zip(kept.get_model_weights(new),
+                                array.get_model_weights(old)):
+            # Another array size, another float32 summation order.
+            assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
+def test_select_keeps_frozen_and_diverged_status():
+    array = array_with(hftatf.optimizers.SGD([1e30, 0.02, 0.03]))
+    fit(array, epochs=1)
+    array.freeze_models([1])
+    kept = array.select([0, 1])
+    assert list(kept.diverged_models) == [True, False]
+    assert list(kept.active_models) == [False, False]
+
+
+def test_select_of_an_uncompiled_array_and_bad_indices():
+    array = hftatf.fuse(regressor(), B)
+    kept = array.select([1])
+    assert kept.num_models == 1 and not kept.compiled
+    for ours, theirs in zip(kept.get_model_weights(0),
+                            array.get_model_weights(1)):
+        np.testing.assert_array_equal(ours, theirs)
+    with pytest.raises(ValueError, match="at least one"):
+        array.select([])
+    with pytest.raises(ValueError, match="indices"):
+        array.select([5])

@@ -1,0 +1,90 @@
+"""Preemption-safe training: a run killed with SIGKILL and started again
+ends with the weights of an uninterrupted run."""
+
+import json
+import pathlib
+import signal
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import hftatf
+from hftatf.backup import METADATA, BackupAndRestore
+
+HERE = pathlib.Path(__file__).parent
+
+
+def run(backup_dir, out, kill_epoch=-1, kill_batch=0):
+    return subprocess.run(
+        [sys.executable, str(HERE / "resume_training.py"), str(backup_dir),
+         str(out), str(kill_epoch), str(kill_batch)],
+        capture_output=True, text=True, timeout=600)
+
+
+def load(path):
+    with np.load(path) as data:
+        return [data[k] for k in sorted(data, key=lambda k: int(k[4:]))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_epoch, kill_batch", [(1, 3), (2, 0)])
+def test_killed_run_resumes_to_the_uninterrupted_weights(
+        tmp_path, kill_epoch, kill_batch):
+    whole = run(tmp_path / "whole_backup", tmp_path / "whole.npz")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    killed = run(tmp_path / "backup", tmp_path / "resumed.npz",
+                 kill_epoch, kill_batch)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "resumed.npz").exists()
+    # The backup of the last completed epoch is there.
+    metadata = json.loads((tmp_path / "backup" / METADATA).read_text())
+    assert metadata["epoch"] == kill_epoch
+    resumed = run(tmp_path / "backup", tmp_path / "resumed.npz")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, actual = load(tmp_path / "whole.npz"), load(
+        tmp_path / "resumed.npz")
+    assert len(expected) == len(actual)
+    for ours, theirs in zip(actual, expected):
+        np.testing.assert_array_equal(ours, theirs)
+
+
+def small_array():
+    x = keras.Input((3,))
+    array = hftatf.fuse(keras.Model(x, keras.layers.Dense(2)(x)), 2)
+    array.compile(optimizer=hftatf.optimizers.SGD([0.1, 0.2]), loss="mse")
+    return array
+
+
+def fit(array, backup):
+    data = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+    return array.fit(*data, epochs=2, verbose=0, callbacks=[backup])
+
+
+def test_corrupt_backup_is_reported_not_loaded(tmp_path):
+    fit(small_array(), BackupAndRestore(tmp_path, delete_checkpoint=False))
+    metadata = json.loads((tmp_path / METADATA).read_text())
+    weights = tmp_path / metadata["weights"]
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    array = small_array()
+    before = [np.asarray(w) for w in array.weights]
+    with pytest.raises(ValueError, match="corrupt"):
+        fit(array, BackupAndRestore(tmp_path))
+    for ours, theirs in zip(array.weights, before):
+        np.testing.assert_array_equal(np.asarray(ours), theirs)
+
+
+def test_unreadable_metadata_is_reported(tmp_path):
+    (tmp_path / METADATA).write_text("{not json")
+    with pytest.raises(ValueError, match="unreadable"):
+        fit(small_array(), BackupAndRestore(tmp_path))
+
+
+def test_backup_keeps_one_weights_file_and_is_deleted_at_the_end(tmp_path):
+    fit(small_array(), BackupAndRestore(tmp_path / "a",
+                                        delete_checkpoint=False))
+    assert len(list((tmp_path / "a").glob("*.weights.h5"))) == 1
+    fit(small_array(), BackupAndRestore(tmp_path / "b"))
+    assert not list((tmp_path / "b").iterdir())
