@@ -4,6 +4,8 @@ The three are exact inverses: `unfuse(fuse_models(ms))` returns the weights
 of `ms`, and `fuse_models(unfuse(a))` the weights of `a`.
 """
 
+import os
+
 import keras
 import numpy as np
 
@@ -269,7 +271,8 @@ def unfuse(array):
     return models
 
 
-def fuse_models(models, shared_inputs=True, name=None):
+def fuse_models(models, shared_inputs=True, name=None,
+                model_class=FusedModel):
     """Stacks B trained plain Keras models of one architecture into an array.
 
     Model `b` of the array holds `models[b]`'s weights (trainable and not,
@@ -277,10 +280,25 @@ def fuse_models(models, shared_inputs=True, name=None):
 
     Args:
         models: a sequence of functional or Sequential Keras models with the
-            same architecture (layer names may differ).
-        shared_inputs, name: as for `hftatf.fuse`.
+            same architecture (layer names may differ), or of paths to them:
+            `.keras` files, or model directories written by
+            `hftatf.export_models` (or the SavedModel inside one, whose
+            weights are read from the `.keras` file or checkpoint next to
+            it).
+        shared_inputs, name, model_class: as for `hftatf.fuse`.
+
+    Raises:
+        ValueError: for models whose architectures differ, naming the first
+            difference (layer count, order, class, configuration or weight
+            shapes).
     """
-    models = list(models)
+    if isinstance(models, (str, os.PathLike, keras.Model)):
+        raise TypeError(
+            "hftatf.fuse_models expects a sequence of models or paths, one "
+            f"per model of the array. Received: models={models!r}. Pass a "
+            "list, or use hftatf.from_exported for a directory written by "
+            "hftatf.export_models.")
+    models = [_as_model(model) for model in models]
     if not models:
         raise ValueError("hftatf.fuse_models needs at least one model.")
     reference = _architecture(models[0])
@@ -292,7 +310,7 @@ def fuse_models(models, shared_inputs=True, name=None):
                 f"model {index} ('{model.name}') differs from model 0 "
                 f"('{models[0].name}'): {difference}.")
     array = fuse(models[0], len(models), shared_inputs=shared_inputs,
-                 name=name)
+                 name=name, model_class=model_class)
     fused = dict(_weighted_layers(array))
     layers = [_weighted_layers(model) for model in models]
     for position, (path, _) in enumerate(layers[0]):
@@ -301,6 +319,16 @@ def fuse_models(models, shared_inputs=True, name=None):
         fused[path].set_weights(
             [np.stack(weights) for weights in zip(*per_model)])
     return array
+
+
+def _as_model(model):
+    """`model`, or the model stored at the path `model`."""
+    if isinstance(model, (str, os.PathLike)):
+        # Import here: hftatf.export builds on this module.
+        from hftatf.export import load_exported_model
+
+        return load_exported_model(model)
+    return model
 
 
 # Config keys that do not change what a trained layer computes.
@@ -315,8 +343,14 @@ def _architecture(model):
         raise TypeError(
             f"hftatf.fuse_models expects keras.Model objects. Received: "
             f"{model!r} of type {type(model).__name__}.")
-    positions = {layer.name: f"<layer {i}>"
-                 for i, layer in enumerate(model.layers)}
+    # Names are the models' own (Keras numbers auto-named layers and raw
+    # operations, such as the comparisons behind masks, per session): compare
+    # positions in the graph instead.
+    positions = {operation.name: f"<operation {i}>"
+                 for i, operation in enumerate(getattr(model, "operations",
+                                                       ()))}
+    positions.update({layer.name: f"<layer {i}>"
+                      for i, layer in enumerate(model.layers)})
     positions[model.name] = "<model>"
 
     def normalize(value):
@@ -354,19 +388,26 @@ def _architecture(model):
 
 
 def _first_difference(reference, other):
-    if len(reference) != len(other):
-        return f"it has {len(other)} layers instead of {len(reference)}"
+    """The first way `other` differs from `reference` (as `_architecture`
+    describes them), in words; None if they are the same."""
     for ours, theirs in zip(reference, other):
-        for key in ("class", "config", "weights"):
-            if ours[key] != theirs[key]:
-                what = {"class": "class", "weights": "weight shapes",
-                        "config": "configuration"}[key]
-                # e.g. "layer 1 (Dense) differs in configuration: units ..."
-                detail = (f"{theirs[key]} instead of {ours[key]}"
-                          if key != "config" else _config_difference(
-                              ours[key], theirs[key]))
-                return (f"layer {ours['position']} ({ours['class']}) differs "
-                        f"in {what}: {detail}")
+        where = f"layer {ours['position']}"
+        if ours["class"] != theirs["class"]:
+            # Usually the same layers in another order.
+            return (f"{where} is a {theirs['class']} where model 0 has a "
+                    f"{ours['class']} (layer order or layer types differ)")
+        if ours["config"] != theirs["config"]:
+            # e.g. "layer 1 (Dense) differs in configuration: units is ..."
+            return (f"{where} ({ours['class']}) differs in configuration: "
+                    + _config_difference(ours["config"], theirs["config"]))
+        if ours["weights"] != theirs["weights"]:
+            return (f"{where} ({ours['class']}) differs in weight shapes: "
+                    f"{theirs['weights']} instead of {ours['weights']}")
+    if len(reference) != len(other):
+        extra = (other if len(other) > len(reference) else reference)[
+            min(len(reference), len(other))]
+        return (f"it has {len(other)} layers instead of {len(reference)}, "
+                f"from layer {extra['position']} ({extra['class']}) on")
     return None
 
 

@@ -295,10 +295,6 @@ def test_fuse_models_text_model_outputs_equal_each_model():
         assert_close(outputs[:, b], model(ids), err_msg=f"model {b}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "hftatf.fuse._architecture compares the names of automatically named "
-    "operations (Keras-mask 'not_equal' ops), which differ between two "
-    "models built in one session."))
 def test_fuse_models_text_models_built_in_one_session():
     keras.backend.clear_session()
 

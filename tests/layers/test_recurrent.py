@@ -516,11 +516,6 @@ def test_fuse_models_with_per_model_masked_inputs():
     check_fuse_models_with_per_model_masks(functional=False)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "hftatf.fuse_models compares functional configs including the "
-    "auto-named mask ops ('not_equal', 'not_equal_1') that Masking adds to "
-    "each model's graph, so two identical masked functional models are "
-    "reported as different architectures."))
 def test_fuse_models_with_per_model_masked_inputs_functional():
     check_fuse_models_with_per_model_masks(functional=True)
 

@@ -333,9 +333,6 @@ def random_models(make, rng):
     return models
 
 
-@pytest.mark.xfail(
-    not registry.is_supported(keras.layers.Embedding(2, 2)), strict=True,
-    reason="hftatf has no fused Embedding yet")
 def test_fuse_models_text_classifier():
     rng = np.random.default_rng(11)
     vocabulary = 7

@@ -1,0 +1,2 @@
+"""Benchmarks of hftatf: throughput harnesses, run as `python -m
+benchmarks.<name>` (not tests)."""
