@@ -12,17 +12,26 @@ Train B same-architecture Keras models as one fused model:
 
 __version__ = "0.1.0"
 
-from hftatf import export, layers, optimizers
-from hftatf.export import export_models
+from hftatf import callbacks, export, layers, optimizers
+from hftatf.export import (
+    export_models,
+    export_serving,
+    from_exported,
+    load_models,
+)
 from hftatf.fuse import fuse, fuse_models
 from hftatf.model import FusedModel
 
 __all__ = [
     "FusedModel",
+    "callbacks",
     "export",
     "export_models",
+    "export_serving",
+    "from_exported",
     "fuse",
     "fuse_models",
     "layers",
+    "load_models",
     "optimizers",
 ]

@@ -22,6 +22,7 @@ from keras.src.trainers.trainer import model_supports_jit
 
 from hftatf import optimizers as fused_optimizers
 from hftatf.api import hftatf_export
+from hftatf.layers.base import broadcast_to_models
 from hftatf.validation import check_num_models
 
 
@@ -543,12 +544,18 @@ class FusedModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        # The forward pass updates state (moving statistics) of every model;
+        # frozen and diverging models get theirs back below.
+        state = [v for v in self.non_trainable_variables
+                 if len(v.shape) and v.shape[0] == self.num_models]
+        state_before = [ops.copy(v) for v in state]
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             losses = self.compute_model_losses(
                 x, y, y_pred, sample_weight, training=True)
             loss = self.optimizer.scale_model_losses(losses)
         finite = _finite_per_model([losses], self.num_models)
+        gradients = []
         if self.trainable_weights:
             gradients = tape.gradient(loss, self.trainable_weights)
             if not getattr(self.optimizer, "skips_nonfinite_steps", False):
@@ -556,12 +563,17 @@ class FusedModel(keras.Model):
                 # model, and they are no sign of divergence there.
                 finite = ops.logical_and(finite, _finite_per_model(
                     gradients, self.num_models))
-            active = self._status.active > 0
+        training = ops.logical_and(self._status.active > 0, finite)
+        if self.trainable_weights:
             self.optimizer.apply(gradients, self.trainable_weights,
-                                 model_mask=ops.logical_and(active, finite))
+                                 model_mask=training)
         else:
             warnings.warn("The array does not have any trainable weights.",
                           stacklevel=2)
+        for variable, before in zip(state, state_before):
+            variable.assign(ops.where(
+                broadcast_to_models(training, len(variable.shape)),
+                variable, before))
         # A diverging model is frozen before the step that would spoil its
         # weights: it keeps its last finite state.
         self._status.update_state(ops.logical_and(

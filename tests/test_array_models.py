@@ -118,7 +118,10 @@ def test_set_model_weights_changes_one_model_only():
          for r in (0.1, 0.05, 0.02)], momentum=0.9),
     lambda: hftatf.optimizers.SGD(hftatf.optimizers.schedules.CosineDecay(
         [0.1, 0.05, 0.02], decay_steps=20)),
-], ids=["adam", "stock_schedules", "fused_schedule"])
+    lambda: hftatf.optimizers.LossScaleOptimizer(
+        hftatf.optimizers.Adam([0.01, 0.02, 0.03]), initial_scale=8.0,
+        dynamic_growth_steps=3),
+], ids=["adam", "stock_schedules", "fused_schedule", "loss_scale"])
 def test_select_continues_the_kept_models_exactly(make_optimizer):
     array = array_with(make_optimizer())
     fit(array, epochs=2)
