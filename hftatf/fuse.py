@@ -14,6 +14,7 @@ from hftatf.layers.fold import (
     BroadcastToModels,
     FoldModelAxis,
     UnfoldModelAxis,
+    copy_layer,
     has_random_state,
 )
 from hftatf.model import FusedModel
@@ -173,8 +174,7 @@ class _Walker:
                 and not has_random_state(layer)):
             # Deterministic, per sample, weightless: once for all models.
             if id(layer) not in self._stock_copies:
-                self._stock_copies[id(layer)] = (
-                    layer, type(layer).from_config(layer.get_config()))
+                self._stock_copies[id(layer)] = (layer, copy_layer(layer))
             outputs = self._stock_copies[id(layer)][1](*args, **kwargs)
             self._mark(outputs, True)
             return outputs

@@ -11,7 +11,7 @@ from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
 from hftatf.validation import check_model_axis
 
-__all__ = ["FusedPReLU"]
+__all__ = ["FusedActivityRegularization", "FusedPReLU"]
 
 
 @hftatf_export
@@ -102,3 +102,40 @@ class FusedPReLU(FusedLayer):
             "shared_axes": self.shared_axes,
         })
         return config
+
+
+@hftatf_export
+@registry.register(keras.layers.ActivityRegularization)
+class FusedActivityRegularization(FusedLayer):
+    """`keras.layers.ActivityRegularization` for an array: the identity, plus
+    an L1/L2 penalty on its input counted per model.
+
+    Layout: input `[batch, B, ...]` -> the same tensor. No weights. Model
+    `b`'s loss gains `(l1 * sum|x[:, b]| + l2 * sum x[:, b]**2) / batch`,
+    as the stock layer adds to a stock model's loss.
+
+    Args:
+        num_models: the number of models `B` in the array.
+        l1, l2: as in `keras.layers.ActivityRegularization`.
+    """
+
+    def __init__(self, num_models, l1=0.0, l2=0.0, **kwargs):
+        kwargs.pop("activity_regularizer", None)
+        super().__init__(
+            num_models,
+            activity_regularizer=keras.regularizers.L1L2(l1=l1, l2=l2),
+            **kwargs)
+        self.supports_masking = True
+        self.l1 = l1
+        self.l2 = l2
+
+    def call(self, inputs):
+        return inputs
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("activity_regularizer", None)
+        return {**config, "l1": self.l1, "l2": self.l2}

@@ -33,11 +33,21 @@ PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
     "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D",
     "GlobalAveragePooling1D", "GlobalAveragePooling2D",
     "GlobalAveragePooling3D",
+    "AdaptiveAveragePooling1D", "AdaptiveAveragePooling2D",
+    "AdaptiveAveragePooling3D", "AdaptiveMaxPooling1D",
+    "AdaptiveMaxPooling2D", "AdaptiveMaxPooling3D",
     # Merges.
     "Add", "Subtract", "Multiply", "Average", "Maximum", "Minimum",
     "Concatenate", "Dot",
     # Preprocessing and masking.
     "Rescaling", "Resizing", "CenterCrop", "Masking", "UnitNormalization",
+    "CategoryEncoding", "Discretization", "Hashing",
+    # Data augmentation: each model draws its own transformations.
+    "RandomFlip", "RandomRotation", "RandomTranslation", "RandomZoom",
+    "RandomContrast", "RandomBrightness",
+    # A user function: folded like a raw operation, so it must act on each
+    # sample on its own (no reduction over the batch axis).
+    "Lambda",
 ))
 
 
@@ -83,6 +93,15 @@ def _is_tensor(x):
     return isinstance(x, keras.KerasTensor) or ops.is_tensor(x)
 
 
+def copy_layer(layer):
+    """A fresh copy of a stock weightless layer (its own random state). A
+    `Lambda` is stateless and its function may not survive a config round
+    trip (Python lambdas need unsafe deserialization): it is shared."""
+    if isinstance(layer, keras.layers.Lambda):
+        return layer
+    return type(layer).from_config(layer.get_config())
+
+
 def has_random_state(layer):
     """Whether `layer` draws random numbers (dropout, noise, ...)."""
     return isinstance(layer, UNSEEDED_RANDOM_LAYERS) or any(
@@ -114,8 +133,7 @@ class FusedFold(keras.layers.Wrapper):
 
     @classmethod
     def from_stock(cls, layer, num_models):
-        copy = type(layer).from_config(layer.get_config())
-        return cls(copy, num_models, name=layer.name)
+        return cls(copy_layer(layer), num_models, name=layer.name)
 
     def build(self, input_shape):
         if not self.layer.built:

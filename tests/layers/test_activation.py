@@ -16,7 +16,7 @@ from testing import (
     stacked_weights,
 )
 
-from hftatf.layers import FusedPReLU, registry
+from hftatf.layers import FusedActivityRegularization, FusedPReLU, registry
 
 BATCH = 5
 NUM_MODELS = 3
@@ -211,3 +211,23 @@ def test_built_layer_rejects_wrong_size_on_unshared_axis_like_stock():
     fused(np.zeros((BATCH, 2, 7, 4), "float32"))
     with pytest.raises(ValueError):
         fused(np.zeros((BATCH, 2, 3, 5), "float32"))
+
+
+# ActivityRegularization: the identity, with a penalty per model.
+
+
+def test_activity_regularization_penalises_each_model_like_stock():
+    rng = np.random.default_rng(30)
+    x = rng.standard_normal((4, 3, 5)).astype("float32")
+    fused = registry.fuse_layer(
+        keras.layers.ActivityRegularization(l1=0.1, l2=0.01), 3)
+    assert isinstance(fused, FusedActivityRegularization)
+    np.testing.assert_array_equal(fused(x), x)
+    (loss,) = fused.losses
+    assert tuple(loss.shape) == (3,)
+    for b in range(3):
+        stock = keras.layers.ActivityRegularization(l1=0.1, l2=0.01)
+        stock(x[:, b])
+        assert_close(loss[b], sum(stock.losses), err_msg=f"model {b}")
+    again = FusedActivityRegularization.from_config(fused.get_config())
+    assert (again.l1, again.l2) == (0.1, 0.01)

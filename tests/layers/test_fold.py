@@ -24,6 +24,15 @@ from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS
 NUM_MODELS = 3
 BATCH = 2
 
+class IntShape(tuple):
+    """A per-model input shape whose values are integers in [0, high)."""
+
+    def __new__(cls, shape, high):
+        instance = super().__new__(cls, (shape, high))
+        instance.shape, instance.high = shape, high
+        return instance
+
+
 # One row per case: id, stock layer factory, per-model input shape(s) (a list
 # of shapes for merge layers). Every class of PER_SAMPLE_LAYERS has at least
 # one row (test_table_covers_every_per_sample_layer); random layers are
@@ -118,15 +127,45 @@ CASES = [
     ("UnitNormalization_axes", lambda: keras.layers.UnitNormalization(
         axis=[1, 2]), (4, 3)),
     ("StochasticDepth", lambda: StochasticDepth(0.3), (4, 3)),
+    ("AdaptiveAveragePooling1D",
+     lambda: keras.layers.AdaptiveAveragePooling1D(2), (5, 3)),
+    ("AdaptiveAveragePooling2D",
+     lambda: keras.layers.AdaptiveAveragePooling2D((2, 3)), (4, 5, 2)),
+    ("AdaptiveAveragePooling3D",
+     lambda: keras.layers.AdaptiveAveragePooling3D(2), (4, 4, 4, 2)),
+    ("AdaptiveMaxPooling1D", lambda: keras.layers.AdaptiveMaxPooling1D(2),
+     (5, 3)),
+    ("AdaptiveMaxPooling2D",
+     lambda: keras.layers.AdaptiveMaxPooling2D((3, 2)), (5, 4, 2)),
+    ("AdaptiveMaxPooling3D", lambda: keras.layers.AdaptiveMaxPooling3D(2),
+     (4, 4, 4, 2)),
+    ("CategoryEncoding", lambda: keras.layers.CategoryEncoding(
+        6, output_mode="count"), IntShape((4,), 6)),
+    ("Discretization", lambda: keras.layers.Discretization(
+        bin_boundaries=[-0.5, 0.0, 0.5]), (4, 3)),
+    ("Hashing", lambda: keras.layers.Hashing(7), IntShape((3,), 100)),
+    # Random augmentation, compared in inference mode here.
+    ("RandomFlip", lambda: keras.layers.RandomFlip(), (4, 4, 2)),
+    ("RandomRotation", lambda: keras.layers.RandomRotation(0.2), (4, 4, 2)),
+    ("RandomTranslation",
+     lambda: keras.layers.RandomTranslation(0.2, 0.2), (4, 4, 2)),
+    ("RandomZoom", lambda: keras.layers.RandomZoom(0.2), (4, 4, 2)),
+    ("RandomContrast", lambda: keras.layers.RandomContrast(0.3), (4, 4, 2)),
+    ("RandomBrightness", lambda: keras.layers.RandomBrightness(
+        0.2, value_range=(-3.0, 3.0)), (4, 4, 2)),
+    ("Lambda", lambda: keras.layers.Lambda(lambda t: t * 2.0 + 1.0), (4, 3)),
 ]
 CASE_IDS = [case[0] for case in CASES]
 CASES_BY_ID = {case[0]: case for case in CASES}
 
 
 def make_inputs(shapes, rng, num_models=NUM_MODELS, batch=BATCH):
-    """One random `[batch, B, *shape]` array per input of the layer."""
+    """One random `[batch, B, *shape]` array per input of the layer (of
+    integers in [0, high) for an `IntShape`)."""
     shapes = shapes if isinstance(shapes, list) else [shapes]
-    return [rng.standard_normal((batch, num_models, *s)).astype("float32")
+    return [rng.integers(0, s.high, (batch, num_models, *s.shape))
+            if isinstance(s, IntShape)
+            else rng.standard_normal((batch, num_models, *s)).astype("float32")
             for s in shapes]
 
 
@@ -161,9 +200,11 @@ def test_matches_stock_per_model(case_id):
     rng = np.random.default_rng(0)
     inputs = make_inputs(shapes, rng)
     fused = FusedFold(factory(), NUM_MODELS)
-    y = keras.ops.convert_to_numpy(call(fused, inputs))
+    # Inference mode, which augmentation layers (training=True by default)
+    # must be told.
+    y = keras.ops.convert_to_numpy(call(fused, inputs, training=False))
     assert not fused.weights
-    assert_close(y, stock_per_model(factory(), inputs))
+    assert_close(y, stock_per_model(factory(), inputs, training=False))
     expected_shape = fused.compute_output_shape(input_shapes(inputs))
     assert expected_shape[0] in (None, BATCH)
     assert tuple(expected_shape[1:]) == y.shape[1:]
@@ -174,12 +215,12 @@ def test_symbolic_call_in_a_functional_model(case_id):
     _, factory, shapes = CASES_BY_ID[case_id]
     rng = np.random.default_rng(1)
     inputs = make_inputs(shapes, rng)
-    symbolic = [keras.Input(x.shape[1:]) for x in inputs]
+    symbolic = [keras.Input(x.shape[1:], dtype=x.dtype) for x in inputs]
     outputs = call(FusedFold(factory(), NUM_MODELS), symbolic)
     model = keras.Model(symbolic, outputs)
-    y = keras.ops.convert_to_numpy(model(inputs))
+    y = keras.ops.convert_to_numpy(model(inputs, training=False))
     assert tuple(outputs.shape[1:]) == y.shape[1:]
-    assert_close(y, stock_per_model(factory(), inputs))
+    assert_close(y, stock_per_model(factory(), inputs, training=False))
 
 
 @pytest.mark.parametrize("case_id", [
@@ -624,3 +665,23 @@ def test_stochastic_depth_drops_whole_samples_per_model():
         for c in range(b):
             fraction = np.mean(dropped[:, b] != dropped[:, c])
             assert abs(fraction - disagree) < 4 * sd_disagree, (b, c)
+
+
+@pytest.mark.parametrize("factory", [
+    pytest.param(lambda: keras.layers.RandomFlip(), id="RandomFlip"),
+    pytest.param(lambda: keras.layers.RandomRotation(0.3),
+                 id="RandomRotation"),
+    pytest.param(lambda: keras.layers.RandomContrast(0.5),
+                 id="RandomContrast"),
+])
+def test_augmentation_draws_per_model(factory):
+    rng = np.random.default_rng(10)
+    x = np.repeat(rng.uniform(0.0, 1.0, (16, 1, 6, 6, 3)).astype("float32"),
+                  NUM_MODELS, axis=1)
+    y = keras.ops.convert_to_numpy(
+        FusedFold(factory(), NUM_MODELS)(x, training=True))
+    assert y.shape == x.shape
+    # Identical inputs, transformed differently: each model draws its own.
+    for b in range(1, NUM_MODELS):
+        differs = np.any(np.abs(y[:, b] - y[:, 0]) > 1e-6, axis=(1, 2, 3))
+        assert differs.mean() > 0.25, (b, differs.mean())

@@ -32,6 +32,7 @@ from hftatf.layers import (
     FusedGroupNormalization,
     FusedLayerNormalization,
     FusedNormalization,
+    FusedRMSNormalization,
     registry,
 )
 
@@ -804,3 +805,31 @@ def test_batch_normalization_rejects_bad_renorm_clipping(renorm_clipping,
     with pytest.raises(ValueError, match=match):
         FusedBatchNormalization(2, renorm=True,
                                 renorm_clipping=renorm_clipping)
+
+
+# RMSNormalization.
+
+
+@pytest.mark.parametrize("axis, shape", [
+    (-1, (5, 4)), ([1, 2], (5, 4)), (1, (4, 4)), (-1, (6,)), ([-1], (2, 3)),
+])
+def test_rms_normalization_matches_stock(axis, shape):
+    rng = np.random.default_rng(40)
+    stock = [keras.layers.RMSNormalization(axis=axis, epsilon=1e-3)
+             for _ in range(NUM_MODELS)]
+    for layer in stock:
+        layer.build((None, *shape))
+        randomize_weights(layer, rng)
+    fused = FusedRMSNormalization(NUM_MODELS, axis=axis, epsilon=1e-3)
+    fused.build((None, NUM_MODELS, *shape))
+    fused.set_weights(stacked_weights(stock))
+    x = rng.standard_normal((BATCH, NUM_MODELS, *shape)).astype("float32")
+    compare_layer_with_stock(stock, fused, [x], rng)
+
+
+def test_rms_normalization_is_registered_and_serializes():
+    stock = keras.layers.RMSNormalization(axis=-1, epsilon=1e-4)
+    fused = registry.fuse_layer(stock, 2)
+    assert isinstance(fused, FusedRMSNormalization)
+    again = FusedRMSNormalization.from_config(fused.get_config())
+    assert again.epsilon == 1e-4 and again.num_models == 2
