@@ -1,11 +1,38 @@
 """Fused layers: stock Keras layers vectorised over a model axis.
 
 Activations are `[batch, B, ...]`; weights are `[B, *stock weight shape]`.
+Importing a family module registers its fused forms (see `registry`).
 """
 
 from hftatf.layers import registry
+from hftatf.layers.activation import FusedActivityRegularization, FusedPReLU
+from hftatf.layers.applications import FusedLayerScale
+from hftatf.layers.attention import (
+    FusedAdditiveAttention,
+    FusedAttention,
+    FusedGroupedQueryAttention,
+    FusedGroupQueryAttention,
+    FusedMultiHeadAttention,
+)
 from hftatf.layers.base import FusedLayer
+from hftatf.layers.convolutional import (
+    FusedBaseConv,
+    FusedBaseConvTranspose,
+    FusedBaseDepthwiseConv,
+    FusedBaseSeparableConv,
+    FusedConv1D,
+    FusedConv1DTranspose,
+    FusedConv2D,
+    FusedConv2DTranspose,
+    FusedConv3D,
+    FusedConv3DTranspose,
+    FusedDepthwiseConv1D,
+    FusedDepthwiseConv2D,
+    FusedSeparableConv1D,
+    FusedSeparableConv2D,
+)
 from hftatf.layers.dense import FusedDense, FusedEinsumDense
+from hftatf.layers.embedding import FusedEmbedding
 from hftatf.layers.fold import (
     PER_SAMPLE_LAYERS,
     BroadcastToModels,
@@ -13,25 +40,57 @@ from hftatf.layers.fold import (
     FusedFold,
     UnfoldModelAxis,
 )
-
-# Each family module registers its fused forms when imported.
-from hftatf.layers.activation import *  # noqa: E402,F401,F403
-from hftatf.layers.applications import *  # noqa: E402,F401,F403
-from hftatf.layers.attention import *  # noqa: E402,F401,F403
-from hftatf.layers.convolutional import *  # noqa: E402,F401,F403
-from hftatf.layers.embedding import *  # noqa: E402,F401,F403
-from hftatf.layers.normalization import *  # noqa: E402,F401,F403
-from hftatf.layers.recurrent import *  # noqa: E402,F401,F403
-from hftatf.layers.wrappers import *  # noqa: E402,F401,F403
+from hftatf.layers.normalization import (
+    FusedBatchNormalization,
+    FusedGroupNormalization,
+    FusedLayerNormalization,
+    FusedNormalization,
+    FusedRMSNormalization,
+)
+from hftatf.layers.recurrent import FusedGRU, FusedLSTM, FusedSimpleRNN
+from hftatf.layers.wrappers import FusedBidirectional, FusedTimeDistributed
 
 __all__ = [
     "BroadcastToModels",
-    "FusedDense",
-    "FusedEinsumDense",
     "FoldModelAxis",
+    "FusedActivityRegularization",
+    "FusedAdditiveAttention",
+    "FusedAttention",
+    "FusedBaseConv",
+    "FusedBaseConvTranspose",
+    "FusedBaseDepthwiseConv",
+    "FusedBaseSeparableConv",
+    "FusedBatchNormalization",
+    "FusedBidirectional",
+    "FusedConv1D",
+    "FusedConv1DTranspose",
+    "FusedConv2D",
+    "FusedConv2DTranspose",
+    "FusedConv3D",
+    "FusedConv3DTranspose",
+    "FusedDense",
+    "FusedDepthwiseConv1D",
+    "FusedDepthwiseConv2D",
+    "FusedEinsumDense",
+    "FusedEmbedding",
     "FusedFold",
-    "UnfoldModelAxis",
+    "FusedGroupedQueryAttention",
+    "FusedGroupNormalization",
+    "FusedGroupQueryAttention",
+    "FusedGRU",
     "FusedLayer",
+    "FusedLayerNormalization",
+    "FusedLayerScale",
+    "FusedLSTM",
+    "FusedMultiHeadAttention",
+    "FusedNormalization",
+    "FusedPReLU",
+    "FusedRMSNormalization",
+    "FusedSeparableConv1D",
+    "FusedSeparableConv2D",
+    "FusedSimpleRNN",
+    "FusedTimeDistributed",
     "PER_SAMPLE_LAYERS",
     "registry",
+    "UnfoldModelAxis",
 ]

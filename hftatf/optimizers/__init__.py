@@ -8,31 +8,43 @@ import inspect
 
 import keras
 
+from hftatf.optimizers import schedules
+from hftatf.optimizers.adadelta import Adadelta
+from hftatf.optimizers.adafactor import Adafactor
+from hftatf.optimizers.adagrad import Adagrad
 from hftatf.optimizers.adam import Adam
+from hftatf.optimizers.adamax import Adamax
+from hftatf.optimizers.adamw import AdamW
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.optimizers.ftrl import Ftrl
+from hftatf.optimizers.lamb import Lamb
+from hftatf.optimizers.lars import Lars
+from hftatf.optimizers.lion import Lion
+from hftatf.optimizers.loss_scale import LossScaleOptimizer
+from hftatf.optimizers.nadam import Nadam
+from hftatf.optimizers.rmsprop import RMSprop
 from hftatf.optimizers.sgd import SGD
 
-# One module per optimizer family.
-from hftatf.optimizers.adadelta import *  # noqa: E402,F401,F403
-from hftatf.optimizers.adafactor import *  # noqa: E402,F401,F403
-from hftatf.optimizers.adagrad import *  # noqa: E402,F401,F403
-from hftatf.optimizers.adamax import *  # noqa: E402,F401,F403
-from hftatf.optimizers.adamw import *  # noqa: E402,F401,F403
-from hftatf.optimizers.ftrl import *  # noqa: E402,F401,F403
-from hftatf.optimizers.lamb import *  # noqa: E402,F401,F403
-from hftatf.optimizers.lars import *  # noqa: E402,F401,F403
-from hftatf.optimizers.lion import *  # noqa: E402,F401,F403
-from hftatf.optimizers.loss_scale import *  # noqa: E402,F401,F403
-from hftatf.optimizers.nadam import *  # noqa: E402,F401,F403
-from hftatf.optimizers.rmsprop import *  # noqa: E402,F401,F403
-from hftatf.optimizers import schedules  # noqa: E402,F401
-
-__all__ = ["Adam", "FusedOptimizer", "SGD", "get", "schedules", "select"]
-# And every optimizer class the family modules export.
-__all__ += sorted(
-    name for name, obj in list(globals().items())
-    if isinstance(obj, type) and issubclass(obj, keras.optimizers.Optimizer)
-    and obj.__module__.startswith(f"{__name__}.") and name not in __all__)
+__all__ = [
+    "Adadelta",
+    "Adafactor",
+    "Adagrad",
+    "Adam",
+    "Adamax",
+    "AdamW",
+    "Ftrl",
+    "FusedOptimizer",
+    "get",
+    "Lamb",
+    "Lars",
+    "Lion",
+    "LossScaleOptimizer",
+    "Nadam",
+    "RMSprop",
+    "schedules",
+    "select",
+    "SGD",
+]
 
 
 def _fused_classes():
