@@ -109,11 +109,10 @@ class AffineNormalization(FusedLayer):
         self.gamma = None
         self.beta = None
 
-    def add_weight(self, *args, **kwargs):
+    def add_model_weight(self, *args, autocast=False, **kwargs):
         # The stock layers create every weight with `autocast=False`: under
         # mixed precision they compute in float32 from float32 weights.
-        kwargs.setdefault("autocast", False)
-        return super().add_weight(*args, **kwargs)
+        return super().add_model_weight(*args, autocast=autocast, **kwargs)
 
     def _stock_input_shape(self, input_shape):
         check_model_axis(self.name, self.num_models, input_shape)
