@@ -246,6 +246,8 @@ class FusedModel(keras.Model):
         self._model_metrics = None
         self._model_loss_tracker = None
         self._class_weight = None
+        self._replica_jit_compile = False
+        self._compiled_forward = None
         self._status = ModelStatus(self.num_models)
         self._reported_divergence = set()
 
@@ -318,8 +320,11 @@ class FusedModel(keras.Model):
                 model gets its own loss and its own copy of every metric.
             run_eagerly, steps_per_execution: as in Keras.
             jit_compile: as in Keras, except that `"auto"` turns XLA on
-                wherever the model supports it and no distribution strategy
-                is active, CPU included: fused arrays gain from it there too.
+                wherever the model supports it, CPU included: fused arrays
+                gain from it there too. Under a distribution strategy, where
+                Keras compiles no step with XLA, `"auto"` and True compile
+                each replica's forward and backward pass (on TPU the whole
+                replica step is compiled anyway).
             per_model_labels: None to tell shared labels (`[batch, ...]`)
                 from per-model labels (`[batch, B, ...]`) by their shape;
                 True or False to say which.
@@ -340,6 +345,13 @@ class FusedModel(keras.Model):
             steps_per_execution=steps_per_execution, jit_compile=jit_compile,
             auto_scale_loss=auto_scale_loss)
         self._per_model_labels = per_model_labels
+        strategy = self._distribute_strategy
+        self._replica_jit_compile = bool(
+            strategy is not None and jit_compile in ("auto", True)
+            and not run_eagerly
+            and not isinstance(strategy, tf.distribute.TPUStrategy)
+            and model_supports_jit(self))
+        self._compiled_forward = None
         output_names = getattr(self, "output_names", None)
         self._model_losses = None
         if loss is not None:
@@ -392,7 +404,7 @@ class FusedModel(keras.Model):
     def compile_from_config(self, config):
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config)
-        if self.built:
+        if self.built and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
 
     def _resolve_auto_jit_compile(self):
@@ -544,42 +556,103 @@ class FusedModel(keras.Model):
 
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        # The forward pass updates state (moving statistics) of every model;
-        # frozen and diverging models get theirs back below.
-        state = [v for v in self.non_trainable_variables
-                 if len(v.shape) and v.shape[0] == self.num_models]
-        state_before = [ops.copy(v) for v in state]
+        state = self.model_state()
+        if not self.trainable_weights:
+            warnings.warn("The array does not have any trainable weights.",
+                          stacklevel=2)
+        y_pred, losses, gradients = self._replica_forward(x, y, sample_weight)
+        self.apply_model_gradients(
+            [(self.optimizer, gradients, self.trainable_weights)], losses,
+            state=state)
+        return self._track(x, y, y_pred, sample_weight, losses, training=True)
+
+    # -- building blocks of training steps -----------------------------------
+
+    def _replica_forward(self, x, y, sample_weight):
+        """`_forward_and_gradients`, compiled with XLA under a strategy
+        where Keras compiles no step (see `compile`), unless the pass
+        synchronises replicas (e.g. synchronized BatchNormalization)."""
+        if self._replica_jit_compile:
+            if self._compiled_forward is None:
+                self._compiled_forward = tf.function(
+                    self._forward_and_gradients, jit_compile=True,
+                    reduce_retracing=True)
+            try:
+                return self._compiled_forward(x, y, sample_weight)
+            except RuntimeError as error:
+                if "merge_call" not in str(error):
+                    raise
+                logging.info(
+                    "Array '%s' synchronises replicas in its forward pass; "
+                    "its replica steps run without XLA.", self.name)
+                self._replica_jit_compile = False
+                self._compiled_forward = None
+        return self._forward_and_gradients(x, y, sample_weight)
+
+    def _forward_and_gradients(self, x, y, sample_weight):
+        """Predictions, `[B]` losses and the gradients of their (scaled)
+        sum with respect to the trainable weights."""
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             losses = self.compute_model_losses(
                 x, y, y_pred, sample_weight, training=True)
             loss = self.optimizer.scale_model_losses(losses)
-        finite = _finite_per_model([losses], self.num_models)
         gradients = []
         if self.trainable_weights:
             gradients = tape.gradient(loss, self.trainable_weights)
-            if not getattr(self.optimizer, "skips_nonfinite_steps", False):
-                # A loss-scaling optimizer skips such steps itself, per
-                # model, and they are no sign of divergence there.
+        return y_pred, losses, gradients
+
+    def model_state(self):
+        """A snapshot of the per-model state the forward pass updates
+        (moving statistics), for `apply_model_gradients` to give frozen and
+        diverging models theirs back. Take it before the forward pass."""
+        variables = [v for v in self.non_trainable_variables
+                     if len(v.shape) and v.shape[0] == self.num_models]
+        return variables, [ops.copy(v) for v in variables]
+
+    def apply_model_gradients(self, updates, losses, state=None):
+        """Applies one training step to the models that may take it.
+
+        The step every `train_step` ends with, custom ones included (a
+        GAN's applies two optimizers): a model is updated only while it is
+        active (not frozen, not diverged) and its losses and gradients are
+        finite; a model whose loss or gradient turns non-finite is frozen
+        with its last finite weights (its moving statistics too, given the
+        `state` from `model_state()`), and logged once.
+
+        Args:
+            updates: `(optimizer, gradients, variables)` triples, each a
+                fused optimizer and the `[B, ...]` gradients of its
+                variables.
+            losses: the `[B]` per-model losses (a tuple of them for several
+                objectives).
+            state: the `model_state()` taken before the forward pass.
+
+        Returns:
+            The `[B]` booleans of the models that took the step.
+        """
+        finite = _finite_per_model(keras.tree.flatten(losses),
+                                   self.num_models)
+        for optimizer, gradients, _ in updates:
+            # A loss-scaling optimizer skips non-finite gradients itself,
+            # per model: they are no sign of divergence there.
+            if not getattr(optimizer, "skips_nonfinite_steps", False):
                 finite = ops.logical_and(finite, _finite_per_model(
                     gradients, self.num_models))
-        training = ops.logical_and(self._status.active > 0, finite)
-        if self.trainable_weights:
-            self.optimizer.apply(gradients, self.trainable_weights,
-                                 model_mask=training)
-        else:
-            warnings.warn("The array does not have any trainable weights.",
-                          stacklevel=2)
-        for variable, before in zip(state, state_before):
-            variable.assign(ops.where(
-                broadcast_to_models(training, len(variable.shape)),
-                variable, before))
-        # A diverging model is frozen before the step that would spoil its
-        # weights: it keeps its last finite state.
-        self._status.update_state(ops.logical_and(
-            self._status.active > 0, ops.logical_not(finite)),
+        active = self._status.active > 0
+        training = ops.logical_and(active, finite)
+        for optimizer, gradients, variables in updates:
+            if variables:
+                optimizer.apply(gradients, variables, model_mask=training)
+        if state is not None:
+            for variable, before in zip(*state):
+                variable.assign(ops.where(
+                    broadcast_to_models(training, len(variable.shape)),
+                    variable, before))
+        self._status.update_state(
+            ops.logical_and(active, ops.logical_not(finite)),
             self.optimizer.iterations)
-        return self._track(x, y, y_pred, sample_weight, losses, training=True)
+        return training
 
     def fit(self, *args, class_weight=None, **kwargs):
         """As `keras.Model.fit`. `class_weight` weighs each model's samples

@@ -9,6 +9,10 @@ import sys
 import tensorflow as tf
 
 REPLICAS = int(sys.argv[1])
+# Synchronized BatchNormalization makes every replica normalise over the
+# global batch, as one device does; it synchronises inside the forward pass,
+# which then runs without XLA. Without it, the replica pass is compiled.
+SYNCHRONIZED = len(sys.argv) > 2 and sys.argv[2] == "synchronized"
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
     cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
@@ -28,7 +32,10 @@ def build():
     x = keras.Input((6,))
     h = keras.layers.Dense(8, activation="relu",
                            kernel_regularizer=keras.regularizers.L2(1e-3))(x)
-    h = keras.layers.BatchNormalization(synchronized=True)(h)
+    if SYNCHRONIZED:
+        h = keras.layers.BatchNormalization(synchronized=True)(h)
+    else:
+        h = keras.layers.LayerNormalization()(h)
     y = keras.layers.Dense(3)(h)
     return hftatf.fuse(keras.Model(x, y), B)
 
@@ -46,7 +53,11 @@ def train(strategy):
     history = array.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
                         shuffle=False, verbose=0)
     weights = [np.asarray(w) for w in array.get_weights()]
+    compiled.append(array._compiled_forward is not None)
     return weights, history.history
+
+
+compiled = []
 
 
 single, single_history = train(tf.distribute.OneDeviceStrategy("/cpu:0"))
@@ -60,4 +71,5 @@ print(json.dumps({
         abs(single_history[k][-1] - mirrored_history[k][-1])
         for k in single_history),
     "logs": sorted(single_history),
+    "replica_xla": compiled,
 }))

@@ -15,15 +15,20 @@ HERE = pathlib.Path(__file__).parent
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("replicas", [2, 4])
-def test_mirrored_training_equals_one_device(replicas):
+@pytest.mark.parametrize("replicas, variant", [
+    (2, "synchronized"), (4, "synchronized"), (2, "compiled")])
+def test_mirrored_training_equals_one_device(replicas, variant):
     result = subprocess.run(
-        [sys.executable, str(HERE / "mirrored_training.py"), str(replicas)],
-        capture_output=True, text=True, timeout=600)
+        [sys.executable, str(HERE / "mirrored_training.py"), str(replicas),
+         variant], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["replicas"] == replicas
     assert "loss_2" in report["logs"] and "accuracy_1" in report["logs"]
+    # Each replica's forward and backward pass ran compiled with XLA, unless
+    # it synchronises replicas.
+    # (One device needs no synchronisation.)
+    assert report["replica_xla"] == [True, variant == "compiled"]
     # The same global batch, split across replicas: only the order of
     # float32 sums differs.
     assert report["max_weight_difference"] < 1e-5, report
