@@ -1,164 +1,475 @@
-"""Trains an array of classifiers with per-model learning rates, and exports
-each model.
+"""Trains an array of B zoo models as one fused model, on a TPU, GPUs or CPU.
 
-With no flags, it trains 4 MLPs on scikit-learn's bundled digits (no
-download, CPU is enough) with learning rates 0.3, 0.1, 0.03 and 0.01, prints
-a table of each model's result, and exports the 4 models:
+With no flags it trains 4 MLPs on scikit-learn's bundled digits (no
+download; the CPU is enough), with learning rates 0.3, 0.1, 0.03 and 0.01,
+prints a table of each model's results and exports the 4 models:
 
     hftatf-train
-    python -m hftatf.tpu.train --learning_rates=0.1,0.01 --epochs=5
+    hftatf-train --model=resnet18 --grid="learning_rate=0.1,0.05;momentum=0,0.9"
+    hftatf-train --tpu=local --model=bert_tiny --learning_rate=1e-3,5e-4,2e-4 \\
+        --batch_size=1024 --mixed_precision=mixed_bfloat16
+
+`python -m hftatf.tpu.train` is the same program. Rerunning a killed run
+with the same flags resumes it from its last epoch. Every flag is described
+in tpu/README.md and by --helpfull.
 """
 
 import dataclasses
 import json
 import pathlib
+import shutil
+import sys
 
 import keras
+import tensorflow as tf
 from absl import app, flags, logging
 
 import hftatf
-from hftatf.models import data, mlp
+from hftatf import backup, distribute
+from hftatf import callbacks as fused_callbacks
+from hftatf.tpu import data, results
+from hftatf.tpu.config import (
+    PRECISIONS,
+    SCHEDULES,
+    STRATEGIES,
+    Config,
+    ConfigError,
+    field_names,
+    parse_mapping,
+    read_file,
+)
 
 FLAGS = flags.FLAGS
 
+BACKUP_DIR = "backup"
+LOG_DIR = "logs"
 
-def define_flags():
-    """Defines the launcher's flags; every one is optional."""
-    flags.DEFINE_list("learning_rates", ["0.3", "0.1", "0.03", "0.01"],
-                      "Learning rate of each model; the array has one model "
-                      "per value.")
-    flags.DEFINE_enum("optimizer", "sgd", ["sgd", "adam"],
-                      "Fused optimizer.")
-    flags.DEFINE_float("momentum", 0.9, "SGD momentum, shared by the models.")
-    flags.DEFINE_integer("epochs", 30, "Training epochs.")
-    flags.DEFINE_integer("train_steps", None,
-                         "If set, train only this many steps per epoch.")
-    flags.DEFINE_integer("batch_size", 64, "Batch size (shared by models).")
-    flags.DEFINE_list("hidden_units", ["128", "64"],
-                      "Width of each hidden layer of the MLP.")
-    flags.DEFINE_integer("seed", 0, "Random seed.")
-    flags.DEFINE_string("export_dir", "runs/digits/export",
-                        "Where each model is exported ('' to skip).")
-    flags.DEFINE_integer("verbose", 1, "Keras verbosity (1: progress bar).")
+# Other names of flags (kept for the command lines of earlier versions).
+ALIASES = {"learning_rates": "learning_rate"}
+
+
+class _Definer:
+    """absl's `DEFINE_*` functions on one `FlagValues`, skipping the names
+    it already has."""
+
+    def __init__(self, flag_values):
+        self.flag_values = flag_values
+
+    def __getattr__(self, function):
+        define = getattr(flags, function)
+
+        def define_new(name, *args, **kwargs):
+            if name not in self.flag_values:
+                define(name, *args, flag_values=self.flag_values, **kwargs)
+
+        return define_new
+
+
+def define_flags(flag_values=FLAGS):
+    """Defines the launcher's flags on `flag_values` (once; every flag is
+    optional, and `Config` holds the defaults that apply).
+
+    A flag that another launcher of the same process already defined (e.g.
+    `--model` of `hftatf.tpu.tune`, in one test session) is left as it is:
+    only flags given explicitly are read, and `Config` converts their
+    values."""
+    if "params_override" in flag_values:
+        return
+    define = _Definer(flag_values)
+
+    def string(name, help):
+        define.DEFINE_string(name, None, help)
+
+    # Where to run.
+    define.DEFINE_enum(
+        "strategy", "auto", STRATEGIES,
+        "tpu: a TPUStrategy on --tpu; mirrored: every local GPU (or the "
+        "CPU); cpu: one CPU device; auto: a TPU where there is one, else "
+        "the GPUs, else the CPU.")
+    string("tpu", "The TPU: its name, a grpc://host:port address, or 'local' "
+           "on a TPU VM.")
+    string("zone", "The zone of a TPU given by name (Cloud TPU).")
+    string("project", "The project of a TPU given by name (Cloud TPU).")
+    # What to train.
+    define.DEFINE_string(
+        "model", "mlp", "The zoo model (hftatf.models.recipes.names()): "
+        "mlp, resnet18, resnet34, mobilenet_v2, mobilenet_v3_small, "
+        "mobilenet_v3_large, pointnet, pointnet_seg, bert_tiny, bert_mini, "
+        "transformer_lm, dcgan, ...")
+    string("model_args", "Builder arguments over the recipe's, as "
+           "name=value pairs: --model_args=width=0.25,num_classes=10 (lists "
+           "in brackets: hidden_units=[64,32]).")
+    string("dataset", "The data: a zoo recipe name (default: the model's "
+           "own), a TFRecord file name or glob (tfrecord: may prefix it; "
+           "gs:// works), or a tensorflow-datasets name read from "
+           "--data_dir (tfds: may prefix it).")
+    string("validation_dataset", "TFRecord files of the validation set, "
+           "with a TFRecord --dataset.")
+    string("data_dir", "The tensorflow-datasets data directory (e.g. "
+           "gs://bucket/tensorflow_datasets), prepared beforehand.")
+    string("data_args", "Data recipe arguments over the recipe's, as "
+           "name=value pairs: --data_args=image_size=32,augment=true.")
+    # The array's models and their hyper-parameters.
+    define.DEFINE_integer(
+        "num_models", None, "The number of models B. Alone: B models with "
+        "the same hyper-parameters (different initialisations).")
+    define.DEFINE_list(
+        "learning_rate", None, "One learning rate (shared) or one per model: "
+        "--learning_rate=1e-3,3e-4,1e-4 trains 3 models. Default: the "
+        "recipe's rate times 3, 1, 0.3 and 0.1 (4 models).")
+    for alias, name in ALIASES.items():
+        define.DEFINE_alias(alias, name)
+    string("grid", "A grid of per-model hyper-parameters; one model per "
+           "combination: --grid=\"learning_rate=1e-3,1e-4;weight_decay=0,"
+           "1e-4\" trains 4. Not with per-model lists.")
+    string("optimizer", "The hftatf.optimizers name (sgd, adam, adamw, "
+           "lamb, lars, ...). Default: the recipe's.")
+    string("optimizer_args", "Other optimizer arguments, as name=value "
+           "pairs; a list gives one value per model: "
+           "--optimizer_args=momentum=0.9,weight_decay=[0,1e-4].")
+    define.DEFINE_enum(
+        "schedule", "constant", SCHEDULES,
+        "The learning-rate schedule, applied to each model's rate.")
+    string("schedule_args", "Schedule arguments: alpha (cosine), decay_rate "
+           "and decay_epochs (exponential, step), staircase (exponential), "
+           "warmup_epochs (any).")
+    # Training.
+    define.DEFINE_integer(
+        "batch_size", 64, "The global batch size, split evenly between the "
+        "replicas.")
+    define.DEFINE_integer("epochs", None, "Epochs. Default: the recipe's.")
+    define.DEFINE_integer(
+        "train_steps", None, "Training steps per epoch. Default: one pass "
+        "over the training set.")
+    define.DEFINE_integer(
+        "eval_steps", None, "Validation steps per epoch. Default: one pass "
+        "over the validation set; 0: no validation.")
+    define.DEFINE_integer(
+        "steps_per_execution", 1, "Training steps per compiled call (more "
+        "keeps a TPU busy).")
+    define.DEFINE_enum(
+        "mixed_precision", "float32", PRECISIONS,
+        "The Keras dtype policy (mixed_bfloat16 on TPUs).")
+    define.DEFINE_enum(
+        "jit_compile", "auto", ["auto", "true", "false"],
+        "XLA compilation (TPUs always compile).")
+    define.DEFINE_integer("seed", 0, "Seeds initialisation, data and dropout.")
+    define.DEFINE_boolean(
+        "deterministic", False, "Enable TensorFlow's op determinism (a "
+        "resumed run then ends exactly as an uninterrupted one).")
+    # Outputs and configuration.
+    string("model_dir", "Where the backup, logs, config and results go. "
+           "Default: runs/<model>.")
+    string("export_dir", "Where each model is exported. Default: "
+           "<model_dir>/export; '' for no export.")
+    string("config_file", "A YAML (or JSON) file of configuration values, "
+           "applied over the defaults.")
+    string("params_override", "Configuration values applied over "
+           "--config_file, as name=value pairs (model_args.width=0.5 sets "
+           "one key) or a YAML mapping. Flags given explicitly win.")
+    define.DEFINE_integer(
+        "verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one "
+        "line per epoch.")
+
+
+def config_from_flags(flag_values=FLAGS):
+    """The validated `Config` of the parsed flags: defaults, then
+    `--config_file`, then `--params_override`, then each flag given
+    explicitly."""
+    config = Config()
+    if flag_values.config_file:
+        path = flag_values.config_file
+        config = config.updated(read_file(path), f"--config_file {path}")
+    if flag_values.params_override:
+        config = config.updated(
+            parse_mapping(flag_values.params_override, "params_override"),
+            "--params_override")
+    explicit = {name: flag_values[name].value for name in field_names()
+                if name in flag_values
+                and not flag_values[name].using_default_value}
+    for alias, name in ALIASES.items():
+        if alias in flag_values and not flag_values[alias].using_default_value:
+            explicit[name] = flag_values[name].value
+    return config.updated(explicit, "the flags").validate()
 
 
 @dataclasses.dataclass
-class Config:
-    """A launcher run, validated before any work starts."""
+class Run:
+    """What `train` did.
 
-    learning_rates: list = dataclasses.field(
-        default_factory=lambda: [0.3, 0.1, 0.03, 0.01])
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    epochs: int = 30
-    train_steps: int | None = None
-    batch_size: int = 64
-    hidden_units: list = dataclasses.field(default_factory=lambda: [128, 64])
-    seed: int = 0
-    export_dir: str = "runs/digits/export"
-    verbose: int = 1
+    Attributes:
+        config: the resolved config.
+        array: the trained `FusedModel`.
+        history: the per-model history of every epoch (`{name_b: [...]}`),
+            those before a resumption included.
+        results: one dict per model (hyper-parameters, final values,
+            status), as in `results.csv`.
+        best: the best model's row by the recipe's monitor, or None.
+        model_dir: the run's directory.
+        export_dir: where the models were exported, or None.
+        hyperparameters: the names of the hyper-parameters in `results`.
+        initial_epoch: the epoch the run started (or resumed) at.
+        num_replicas: the replicas the array trained on.
+    """
 
-    def validate(self):
-        if not self.learning_rates:
-            raise ValueError("--learning_rates needs at least one value.")
-        if any(rate <= 0 for rate in self.learning_rates):
-            raise ValueError("Every learning rate must be positive. "
-                             f"Received: {self.learning_rates}.")
-        for name in ("epochs", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1. Received: "
-                                 f"{getattr(self, name)}.")
-        if self.train_steps is not None and self.train_steps < 1:
-            raise ValueError("--train_steps must be at least 1. Received: "
-                             f"{self.train_steps}.")
-        return self
-
-    @classmethod
-    def from_flags(cls):
-        def numbers(values, kind, flag):
-            try:
-                return [kind(v) for v in values]
-            except ValueError:
-                raise ValueError(f"--{flag} must be a comma list of numbers. "
-                                 f"Received: {','.join(values)}.") from None
-
-        return cls(
-            learning_rates=numbers(FLAGS.learning_rates, float,
-                                   "learning_rates"),
-            optimizer=FLAGS.optimizer,
-            momentum=FLAGS.momentum,
-            epochs=FLAGS.epochs,
-            train_steps=FLAGS.train_steps,
-            batch_size=FLAGS.batch_size,
-            hidden_units=numbers(FLAGS.hidden_units, int, "hidden_units"),
-            seed=FLAGS.seed,
-            export_dir=FLAGS.export_dir,
-            verbose=FLAGS.verbose,
-        ).validate()
+    config: Config
+    array: object
+    history: dict
+    results: list
+    best: dict | None
+    model_dir: pathlib.Path
+    export_dir: pathlib.Path | None
+    hyperparameters: list
+    initial_epoch: int
+    num_replicas: int
 
 
-def train(config):
-    """Runs `config`; returns `(array, history, results)`, where `results`
-    holds one dict per model."""
-    config.validate()
-    keras.utils.set_random_seed(config.seed)
-    (x_train, y_train), (x_val, y_val) = data.digits(seed=config.seed)
-    model = mlp.build(x_train.shape[1:], hidden_units=config.hidden_units)
-    array = hftatf.fuse(model, num_models=len(config.learning_rates))
-    if config.optimizer == "sgd":
-        optimizer = hftatf.optimizers.SGD(config.learning_rates,
-                                          momentum=config.momentum)
+def train(config, callbacks=()):
+    """Runs `config`: builds the strategy, the inputs and the array, trains
+    it (resuming from `model_dir/backup` if a killed run left one), writes
+    the results and exports the models.
+
+    Args:
+        config: a `Config`.
+        callbacks: more Keras callbacks for `fit`.
+
+    Returns:
+        A `Run`.
+
+    Raises:
+        ConfigError: before any training, for an invalid config, a
+            strategy whose hardware is missing, a batch that does not split
+            between the replicas, or a training set smaller than one step.
+    """
+    config = config.validate().resolved()
+    recipe = config.recipe()
+    num_models, per_model, shared = config.array_plan()
+    source = data.resolve(config, recipe)
+    if config.deterministic:
+        tf.config.experimental.enable_op_determinism()
+    strategy = make_strategy(config)
+    replicas = strategy.num_replicas_in_sync
+    data.per_replica_batch_size(config.batch_size, replicas)
+
+    model_dir = pathlib.Path(config.model_dir)
+    backup_dir = model_dir / BACKUP_DIR
+    initial_epoch = backed_up_epoch(backup_dir)
+    _check_resumed_config(config, model_dir, initial_epoch)
+    config.write(model_dir)
+    history_path = model_dir / results.HISTORY_FILE
+    results.trim_history(history_path, initial_epoch)
+    if initial_epoch == 0:
+        shutil.rmtree(model_dir / LOG_DIR, ignore_errors=True)
     else:
-        optimizer = hftatf.optimizers.Adam(config.learning_rates)
-    array.compile(optimizer, loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
-    history = array.fit(
-        x_train, y_train, batch_size=config.batch_size, epochs=config.epochs,
-        steps_per_epoch=config.train_steps, validation_data=(x_val, y_val),
-        verbose=config.verbose)
-    results = [
-        {"model": b, "learning_rate": rate,
-         **hftatf.export.model_metrics(history, b)}
-        for b, rate in enumerate(config.learning_rates)]
+        logging.warning("Resuming %s from its backup at epoch %d of %d.",
+                        model_dir, initial_epoch, config.epochs)
+    logging.info("Training %d %s models on %d replica(s) of %s; data: %s.",
+                 num_models, config.model, replicas,
+                 type(strategy).__name__, source.description)
+
+    keras.utils.set_random_seed(config.seed)
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(config.mixed_precision)
+    try:
+        inputs = data.distributed_inputs(
+            strategy, source, config.batch_size,
+            train_steps=config.train_steps, eval_steps=config.eval_steps,
+            steps_per_execution=config.steps_per_execution,
+            initial_epoch=initial_epoch,
+            static_shapes=isinstance(strategy, tf.distribute.TPUStrategy))
+        stock = build_model(recipe, config)
+        with strategy.scope():
+            array = hftatf.fuse(stock, num_models,
+                                model_class=recipe.model_class
+                                or hftatf.FusedModel)
+            array.compile(
+                optimizer=make_optimizer(config, per_model, shared,
+                                         inputs.steps_per_epoch),
+                loss=recipe.loss, metrics=list(recipe.metrics) or None,
+                steps_per_execution=config.steps_per_execution,
+                jit_compile=config.jit_compile)
+        hyperparameters = ["learning_rate", *(
+            n for n in per_model if n != "learning_rate")]
+        array.fit(
+            inputs.train, validation_data=inputs.validation,
+            epochs=config.epochs, steps_per_epoch=inputs.steps_per_epoch,
+            validation_steps=inputs.validation_steps or None,
+            # The pipelines shuffle (seeded, every pass).
+            shuffle=False, verbose=config.verbose,
+            callbacks=[
+                # Logged before the backup: epochs logged after the last
+                # backup of a killed run are trimmed when it resumes.
+                fused_callbacks.CSVLogger(history_path, append=True,
+                                          hyperparameters=hyperparameters),
+                fused_callbacks.TensorBoard(model_dir / LOG_DIR,
+                                            hyperparameters=hyperparameters),
+                backup.BackupAndRestore(backup_dir),
+                *callbacks,
+            ])
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+
+    history = results.read_history(history_path, num_models)
+    columns = {"learning_rate": per_model["learning_rate"]
+               if "learning_rate" in per_model
+               else [shared["learning_rate"]] * num_models}
+    columns.update(per_model)
+    rows = results.model_results(history, columns, array.diverged_models)
+    results.write_csv(rows, model_dir / results.RESULTS_FILE)
+    results.plot_losses(history, [_label(row, columns) for row in rows],
+                        model_dir / results.PLOT_FILE)
+    export_dir = None
     if config.export_dir:
         export_dir = pathlib.Path(config.export_dir)
-        hftatf.export.export_models(array, export_dir, history=history)
-        (export_dir / "config.json").write_text(
-            json.dumps(dataclasses.asdict(config), indent=2))
-    return array, history, results
+        metrics = {key: values for key, values in history.items()
+                   if key.rpartition("_")[0] not in columns}
+        hftatf.export.export_models(array, export_dir, history=metrics)
+    return Run(config=config, array=array, history=history, results=rows,
+               best=results.best_model(rows, recipe.monitor,
+                                       recipe.monitor_mode),
+               model_dir=model_dir, export_dir=export_dir,
+               hyperparameters=list(columns), initial_epoch=initial_epoch,
+               num_replicas=replicas)
 
 
-def format_results(results):
-    """A table with one row per model."""
-    columns = ["model", "learning_rate", "loss", "accuracy", "val_loss",
-               "val_accuracy"]
-    rows = [[f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(
-        r.get(c, "")) for c in columns] for r in results]
-    widths = [max(len(c), *(len(row[i]) for row in rows))
-              for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths))
-              for row in rows]
-    return "\n".join(lines)
+def make_strategy(config):
+    """The `tf.distribute.Strategy` of `config` (TPU connected and
+    initialised); a missing TPU is a ConfigError, not a hang."""
+    try:
+        return distribute.strategy_from_name(
+            config.strategy, tpu=config.tpu, zone=config.zone,
+            project=config.project)
+    except ValueError as error:
+        raise ConfigError(f"--strategy={config.strategy}: {error}") from None
+
+
+def backed_up_epoch(backup_dir):
+    """The epoch a run resumes at from the backup in `backup_dir` (0 where
+    there is none)."""
+    path = pathlib.Path(backup_dir) / backup.METADATA
+    if not path.exists():
+        return 0
+    try:
+        return int(json.loads(path.read_text())["epoch"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ConfigError(
+            f"The backup {path} is unreadable ({error}). Delete "
+            f"{backup_dir} to start over.") from None
+
+
+def _check_resumed_config(config, model_dir, initial_epoch):
+    """Warns when a run resumes with a config other than its own."""
+    if not initial_epoch:
+        return
+    for name in ("config.yaml", "config.json"):
+        path = model_dir / name
+        if not path.exists():
+            continue
+        try:
+            previous = Config.from_dict(read_file(path), str(path))
+        except ValueError:
+            return
+        changed = sorted(
+            key for key, value in config.to_dict().items()
+            if previous.to_dict().get(key) != value)
+        if changed:
+            logging.warning(
+                "Resuming the run in %s with changed settings %s; the "
+                "backup must still fit the array.", model_dir, changed)
+        return
+
+
+def build_model(recipe, config):
+    """The recipe's stock model with `config.model_args` over its own."""
+    args = dict(recipe.model_args)
+    for key, value in config.model_args.items():
+        default = args.get(key)
+        # YAML and flags give lists where the builders' defaults are tuples.
+        args[key] = tuple(value) if isinstance(default, tuple) and (
+            isinstance(value, list)) else value
+    try:
+        return recipe.build(**args)
+    except TypeError as error:
+        raise ConfigError(
+            f"--model_args {config.model_args}: model {recipe.name!r} "
+            f"refused them: {error}") from None
+
+
+def make_learning_rate(config, rates, steps_per_epoch):
+    """Each model's learning rate (a float, B floats, or a per-model
+    schedule) under `config.schedule`."""
+    schedules = hftatf.optimizers.schedules
+    args = config.schedule_args
+    total_steps = steps_per_epoch * config.epochs
+    if config.schedule == "constant":
+        rate = rates
+    elif config.schedule == "cosine":
+        rate = schedules.CosineDecay(rates, decay_steps=total_steps,
+                                     alpha=args.get("alpha", 0.0))
+    elif config.schedule == "exponential":
+        rate = schedules.ExponentialDecay(
+            rates, decay_steps=steps_per_epoch * args.get("decay_epochs", 1),
+            decay_rate=args.get("decay_rate", 0.9),
+            staircase=bool(args.get("staircase", False)))
+    else:
+        epochs = args.get("decay_epochs", max(1, config.epochs // 3))
+        rate = schedules.StepDecay(rates, decay_steps=steps_per_epoch * epochs,
+                                   decay_rate=args.get("decay_rate", 0.1))
+    warmup = args.get("warmup_epochs", 0)
+    if warmup:
+        rate = schedules.LinearWarmup(rate, warmup_epochs=warmup,
+                                      steps_per_epoch=steps_per_epoch)
+    return rate
+
+
+def make_optimizer(config, per_model, shared, steps_per_epoch):
+    """The fused optimizer: the shared arguments, each model's values, and
+    the learning-rate schedule; a per-model loss-scale optimizer around it
+    under `mixed_float16`."""
+    values = {**shared, **per_model}
+    values["learning_rate"] = make_learning_rate(
+        config, values["learning_rate"], steps_per_epoch)
+    optimizer = config.optimizer_class()(**values)
+    if config.mixed_precision == "mixed_float16":
+        optimizer = hftatf.optimizers.LossScaleOptimizer(optimizer)
+    return optimizer
+
+
+def _label(row, columns):
+    values = ", ".join(f"{name}={row[name]:g}" for name in columns)
+    return f"model {row['model']} ({values})"
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(
+            f"Unexpected arguments: {' '.join(argv[1:])} (every option is a "
+            "--flag; see --helpfull).")
+    # TensorFlow's notes (SavedModel assets, ...) would drown the run's.
     logging.set_verbosity(logging.WARNING)
-    config = Config.from_flags()
-    _, _, results = train(config)
-    print(format_results(results))
-    best = max(results, key=lambda r: r.get("val_accuracy", 0.0))
-    print(f"Best: model {best['model']} (learning rate "
-          f"{best['learning_rate']:g}).")
-    if config.export_dir:
-        print(f"Exported {len(results)} models to {config.export_dir}/")
+    run = train(config_from_flags())
+    print(results.format_table(run.results))
+    if run.best is not None:
+        described = ", ".join(f"{name} {run.best[name]:g}"
+                              for name in run.hyperparameters)
+        print(f"Best: model {run.best['model']} ({described}).")
+    print(f"Results: {run.model_dir / results.RESULTS_FILE}")
+    if run.export_dir is not None:
+        print(f"Exported {len(run.results)} models to {run.export_dir}/")
+
+
+def _main_cli(argv):
+    try:
+        main(argv)
+    except ConfigError as error:
+        print(f"hftatf-train: error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 def run():
     """Console-script entry point (`hftatf-train`)."""
     define_flags()
-    app.run(main)
+    app.run(_main_cli)
 
 
 if __name__ == "__main__":

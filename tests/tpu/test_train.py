@@ -1,53 +1,249 @@
-"""The main job: the digits launcher, run short."""
+"""The launcher end to end on the CPU: the main job, zoo models, per-model
+hyper-parameters, schedules, mixed precision, files and resumption."""
 
+import csv
 import json
+import math
 
 import keras
 import numpy as np
 import pytest
 from absl.testing import flagsaver
 
-from hftatf.models import data
-from hftatf.tpu import train
+from hftatf.models import data as zoo_data
+from hftatf.tpu import results, train
+from hftatf.tpu.config import Config
 
-if "learning_rates" not in train.FLAGS:
+FLAGS = train.FLAGS
+
+TEXT = ["the cat sat on the mat and the dog sat on the log " * 6,
+        "a bird flew over the tree and a fish swam in the sea " * 6,
+        "one two three four five six seven eight nine ten " * 6]
+TINY_TEXT_MODEL = dict(vocabulary_size=64, sequence_length=8, max_length=8,
+                       num_layers=1, hidden_dim=16, num_heads=2,
+                       intermediate_dim=32)
+TINY_TEXT_DATA = dict(vocabulary_size=64, sequence_length=8, source=TEXT)
+# Per zoo model: builder and data arguments that make one step quick.
+TINY = {
+    "mlp": dict(model_args={"hidden_units": [16]}),
+    "transformer_lm": dict(model_args=TINY_TEXT_MODEL,
+                           data_args=TINY_TEXT_DATA),
+    "bert_tiny": dict(model_args=TINY_TEXT_MODEL, data_args=TINY_TEXT_DATA),
+    "resnet18": dict(model_args={"input_shape": [8, 8, 3], "width": 0.0625},
+                     data_args={"image_size": 8, "augment": False}),
+    "dcgan": dict(model_args={"latent_dim": 8, "image_size": 8,
+                              "filters": 8},
+                  data_args={"image_size": 8}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launcher_flags():
+    """The launcher's flags on absl's global FLAGS for this module's tests,
+    removed afterwards (other launchers define flags of the same names)."""
+    before = set(FLAGS)
     train.define_flags()
+    FLAGS.mark_as_parsed()
+    yield
+    for name in set(FLAGS) - before:
+        delattr(FLAGS, name)
 
 
-def test_launcher_trains_and_exports_four_models(tmp_path, capsys):
-    train.FLAGS.mark_as_parsed()
+def one_step(name, tmp_path, **values):
+    """Config for one training step and one validation step of `name`."""
+    defaults = dict(num_models=2, epochs=1, train_steps=1, eval_steps=1,
+                    batch_size=4, verbose=0, model_dir=str(tmp_path / name),
+                    export_dir="")
+    return Config(model=name, **{**defaults, **TINY[name], **values})
+
+
+def read_csv(path):
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_main_job_trains_reports_and_exports_four_models(tmp_path, capsys):
+    model_dir = tmp_path / "run"
     with flagsaver.flagsaver(epochs=1, train_steps=3, verbose=0,
-                             export_dir=str(tmp_path / "export")):
+                             model_dir=str(model_dir)):
         train.main([])
     printed = capsys.readouterr().out
-    assert "learning_rate" in printed and "val_accuracy" in printed
-    for rate in ("0.3", "0.1", "0.03", "0.01"):
-        assert rate in printed
-    (_, _), (x_val, _) = data.digits()
+    header = printed.splitlines()[0].split()
+    assert header == ["model", "learning_rate", "loss", "accuracy",
+                      "val_loss", "val_accuracy", "status"]
+    rates = [0.3, 0.1, 0.03, 0.01]
+    for line, rate in zip(printed.splitlines()[1:5], rates):
+        assert float(line.split()[1]) == rate
+    assert "Best: model" in printed and "Exported 4 models" in printed
+
+    rows = read_csv(model_dir / results.RESULTS_FILE)
+    assert [float(r["learning_rate"]) for r in rows] == rates
+    assert all(math.isfinite(float(r["val_accuracy"])) for r in rows)
+    history = read_csv(model_dir / results.HISTORY_FILE)
+    assert [(r["epoch"], r["model"]) for r in history] == [
+        ("0", str(b)) for b in range(4)]
+    config_files = sorted(p.name for p in model_dir.glob("config.*"))
+    assert config_files in (["config.yaml"], ["config.json"])
     for b in range(4):
-        path = tmp_path / "export" / f"model_{b}"
+        assert list((model_dir / "logs" / f"model_{b}").glob("events.*"))
+    plot = model_dir / results.PLOT_FILE
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not plot.exists()
+    else:
+        assert plot.stat().st_size > 1000
+    # The backup of a finished run is gone: rerunning starts over.
+    assert not list((model_dir / "backup").glob("*"))
+
+    (_, _), (x_val, _) = zoo_data.digits()
+    for b, rate in enumerate(rates):
+        path = model_dir / "export" / f"model_{b}"
         model = keras.models.load_model(path / "model.keras")
-        assert model.predict(x_val[:4], verbose=0).shape == (4, 10)
+        assert model.predict(x_val[:4, ..., None], verbose=0).shape == (4, 10)
         metadata = json.loads((path / "metadata.json").read_text())
-        assert np.isclose(metadata["hyperparameters"]["learning_rate"],
-                          [0.3, 0.1, 0.03, 0.01][b])
-        assert "val_accuracy" in metadata["metrics"]
+        assert np.isclose(metadata["hyperparameters"]["learning_rate"], rate)
+        assert set(metadata["metrics"]) == {"loss", "accuracy", "val_loss",
+                                            "val_accuracy"}
 
 
 def test_best_learning_rate_learns_digits(tmp_path):
-    config = train.Config(epochs=8, verbose=0, export_dir="")
-    _, _, results = train.train(config)
-    assert max(r["val_accuracy"] for r in results) > 0.9
+    run = train.train(Config(epochs=4, verbose=0, model_dir=str(tmp_path),
+                             export_dir=""))
+    assert max(r["val_accuracy"] for r in run.results) > 0.9
+    assert run.best["val_accuracy"] == max(r["val_accuracy"]
+                                           for r in run.results)
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("learning_rates", ["0.1", "x"], "comma list"),
-    ("learning_rates", ["0.1", "-1"], "positive"),
-    ("epochs", 0, "epochs"),
-    ("batch_size", 0, "batch_size"),
+@pytest.mark.parametrize("name", [
+    "mlp", "transformer_lm",
+    pytest.param("bert_tiny", marks=pytest.mark.slow),
+    pytest.param("resnet18", marks=pytest.mark.slow),
+    pytest.param("dcgan", marks=pytest.mark.slow),
 ])
-def test_invalid_flags_fail_before_any_work(flag, value, message):
-    train.FLAGS.mark_as_parsed()
-    with flagsaver.flagsaver(**{flag: value}):
-        with pytest.raises(ValueError, match=message):
-            train.Config.from_flags()
+def test_zoo_models_train_one_step(tmp_path, name):
+    run = train.train(one_step(name, tmp_path))
+    assert run.num_replicas == 1 and run.initial_epoch == 0
+    assert [r["model"] for r in run.results] == [0, 1]
+    losses = ("d_loss", "g_loss") if name == "dcgan" else ("loss",)
+    for row in run.results:
+        for loss in losses:
+            assert math.isfinite(row[loss]) and math.isfinite(
+                row[f"val_{loss}"])
+        assert row["status"] == "ok"
+    assert run.array.num_models == 2
+    assert run.array.optimizer.iterations.numpy() == 1
+
+
+def test_grid_schedule_and_per_model_optimizer_args(tmp_path):
+    config = one_step(
+        "mlp", tmp_path, num_models=None, optimizer="adamw", epochs=2,
+        train_steps=2, grid="learning_rate=0.01,0.001;weight_decay=0,0.1",
+        optimizer_args="beta_1=0.8", schedule="cosine",
+        schedule_args="alpha=0.1,warmup_epochs=1")
+    run = train.train(config)
+    optimizer = run.array.optimizer
+    assert type(optimizer).__name__ == "AdamW"
+    np.testing.assert_allclose(optimizer.get_hyperparameter("beta_1"),
+                               [0.8] * 4)
+    np.testing.assert_allclose(optimizer.get_hyperparameter("weight_decay"),
+                               [0, 0.1, 0, 0.1])
+    # After the 4 steps of the run the cosine schedule has decayed every
+    # model's rate to alpha times its own.
+    np.testing.assert_allclose(
+        optimizer.get_hyperparameter("learning_rate"),
+        0.1 * np.array([0.01, 0.01, 0.001, 0.001]), rtol=1e-5)
+    assert [(r["learning_rate"], r["weight_decay"]) for r in run.results] == [
+        (0.01, 0), (0.01, 0.1), (0.001, 0), (0.001, 0.1)]
+
+
+def test_mixed_precision_policy_is_applied_and_restored(tmp_path):
+    run = train.train(one_step("mlp", tmp_path,
+                               mixed_precision="mixed_bfloat16"))
+    policies = {layer.dtype_policy.name for layer in run.array.layers
+                if layer.weights}
+    assert policies == {"mixed_bfloat16"}
+    assert keras.mixed_precision.global_policy().name == "float32"
+    assert all(math.isfinite(r["loss"]) for r in run.results)
+
+
+def test_tfrecord_dataset(tmp_path):
+    (x, y), (x_val, y_val) = zoo_data.digits()
+    zoo_data.write_image_tfrecords(tmp_path / "train.tfrecord", x[:64],
+                                   y[:64])
+    zoo_data.write_image_tfrecords(tmp_path / "val.tfrecord", x_val[:16],
+                                   y_val[:16])
+    config = one_step("mlp", tmp_path, train_steps=None, eval_steps=None,
+                      batch_size=16,
+                      dataset=str(tmp_path / "train*.tfrecord"),
+                      validation_dataset=str(tmp_path / "val.tfrecord"))
+    run = train.train(config)
+    assert run.array.optimizer.iterations.numpy() == 4
+    assert all(math.isfinite(r["val_accuracy"]) for r in run.results)
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Stops a run with an exception in the middle of epoch `epoch`."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.current == self.epoch and batch == 1:
+            raise KeyboardInterrupt
+
+
+def test_rerun_after_an_interruption_resumes(tmp_path):
+    config = one_step("mlp", tmp_path, epochs=3, train_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(config, callbacks=[Interrupt(epoch=1)])
+    backup = json.loads((tmp_path / "mlp" / "backup" / "backup.json")
+                        .read_text())
+    assert backup["epoch"] == 1
+    run = train.train(config)
+    assert run.initial_epoch == 1
+    assert run.array.optimizer.iterations.numpy() == 9
+    history = read_csv(tmp_path / "mlp" / results.HISTORY_FILE)
+    assert [(r["epoch"], r["model"]) for r in history] == [
+        (str(e), str(b)) for e in range(3) for b in range(2)]
+    assert len(run.history["loss_0"]) == 3
+
+
+@pytest.mark.parametrize("schedule, args, stock", [
+    ("constant", {}, lambda rate: (lambda step: rate)),
+    ("cosine", {"alpha": 0.2}, lambda rate: keras.optimizers.schedules
+     .CosineDecay(rate, decay_steps=60, alpha=0.2)),
+    ("exponential", {"decay_rate": 0.5, "decay_epochs": 2},
+     lambda rate: keras.optimizers.schedules.ExponentialDecay(
+         rate, decay_steps=20, decay_rate=0.5)),
+    ("step", {}, lambda rate: keras.optimizers.schedules.ExponentialDecay(
+        rate, decay_steps=20, decay_rate=0.1, staircase=True)),
+])
+def test_schedules_follow_the_stock_ones_per_model(schedule, args, stock):
+    rates = [0.1, 0.01]
+    config = Config(schedule=schedule, schedule_args=args, epochs=6)
+    learning_rate = train.make_learning_rate(config, rates, 10)
+    for step in (0, 7, 20, 33, 60, 75):
+        values = (learning_rate(step) if callable(learning_rate)
+                  else learning_rate)
+        expected = [float(stock(rate)(step)) for rate in rates]
+        np.testing.assert_allclose(np.asarray(values, "float32"), expected,
+                                   rtol=1e-6)
+
+
+def test_warmup_rises_linearly_to_the_schedule():
+    config = Config(schedule="cosine", schedule_args={"warmup_epochs": 1},
+                    epochs=4)
+    learning_rate = train.make_learning_rate(config, [0.1, 0.01], 10)
+    cosine = [keras.optimizers.schedules.CosineDecay(rate, decay_steps=40)
+              for rate in (0.1, 0.01)]
+    np.testing.assert_allclose(np.asarray(learning_rate(0)), [0, 0])
+    np.testing.assert_allclose(
+        np.asarray(learning_rate(5)),
+        [0.5 * float(c(10)) for c in cosine], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(learning_rate(25)),
+                               [float(c(25)) for c in cosine], rtol=1e-6)

@@ -1,0 +1,767 @@
+"""The launcher's configuration: one validated dataclass.
+
+A run is described by a `Config`. Its values come, from the weakest to the
+strongest, from the defaults below, a `--config_file` (YAML, or JSON), a
+`--params_override` string, and the flags given explicitly on the command
+line. The merged configuration is validated before any work starts (no
+accelerator is touched, no data read) and written, resolved (defaults of the
+zoo recipe filled in), to `model_dir/config.yaml` (`config.json` where PyYAML
+is missing), so that `--config_file=model_dir/config.yaml` reruns it.
+
+Per-model hyper-parameters. An array trains B models; each gets its own
+values of the optimizer's float hyper-parameters, from one of:
+
+* lists: `learning_rate: [1e-3, 3e-4]` (`--learning_rate=1e-3,3e-4`), or a
+  list in `optimizer_args` (`--optimizer_args=weight_decay=[0,1e-4]`); every
+  list has B values;
+* a grid: `grid: {learning_rate: [1e-3, 1e-4], weight_decay: [0, 1e-4]}`
+  (`--grid="learning_rate=1e-3,1e-4;weight_decay=0,1e-4"`): one model per
+  combination, the first name varying slowest;
+* `num_models: B` alone: B models with the same hyper-parameters (they
+  differ by their initialisation only);
+* nothing: 4 models, with the recipe's learning rate times 3, 1, 0.3 and 0.1.
+"""
+
+import ast
+import dataclasses
+import inspect
+import itertools
+import json
+import math
+import numbers
+import pathlib
+import re
+
+# Multipliers of a recipe's learning rate that an array gets when no
+# hyper-parameter is given: a half-decade sweep around it.
+DEFAULT_SWEEP = (3.0, 1.0, 0.3, 0.1)
+
+STRATEGIES = ("auto", "tpu", "mirrored", "cpu")
+SCHEDULES = ("constant", "cosine", "exponential", "step")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+
+# The arguments each schedule takes in `schedule_args` (see `Config`).
+SCHEDULE_ARGS = {
+    "constant": ("warmup_epochs",),
+    "cosine": ("alpha", "warmup_epochs"),
+    "exponential": ("decay_rate", "decay_epochs", "staircase",
+                    "warmup_epochs"),
+    "step": ("decay_rate", "decay_epochs", "warmup_epochs"),
+}
+
+# Arguments every fused optimizer takes besides its own (those of
+# `keras.optimizers.Optimizer`).
+BASE_OPTIMIZER_ARGS = ("weight_decay", "clipnorm", "clipvalue",
+                       "global_clipnorm", "use_ema", "ema_momentum",
+                       "ema_overwrite_frequency", "loss_scale_factor",
+                       "gradient_accumulation_steps")
+
+# Fields whose values are mappings; overrides merge into them key by key.
+MAPPINGS = ("model_args", "data_args", "optimizer_args", "schedule_args",
+            "grid")
+
+CONFIG_YAML = "config.yaml"
+CONFIG_JSON = "config.json"
+
+
+class ConfigError(ValueError):
+    """An invalid launcher configuration, found before any work starts."""
+
+
+@dataclasses.dataclass
+class Config:
+    """A launcher run. Each field is the flag of the same name.
+
+    Where to run:
+        strategy: `"auto"`, `"tpu"`, `"mirrored"` or `"cpu"` (see
+            `hftatf.distribute.strategy_from_name`).
+        tpu: the TPU's name, `grpc://host:port` address, or `"local"`.
+        zone, project: where a TPU given by name lives (Cloud TPU).
+
+    What to train:
+        model: the name of a zoo recipe (`hftatf.models.recipes.names()`).
+        model_args: arguments of the recipe's builder, over its defaults.
+        dataset: None (the recipe's own data), another zoo recipe's name
+            (its data), a TFRecord file name or glob (`gs://` paths work;
+            `tfrecord:` may prefix it), or a tensorflow-datasets name read
+            from `data_dir` (`tfds:` may prefix it).
+        validation_dataset: TFRecord files of the validation set, for a
+            TFRecord `dataset` (None: no validation).
+        data_dir: the tensorflow-datasets data directory.
+        data_args: arguments of the data recipe, over its defaults (e.g.
+            `image_size`, `augment`, `samples_per_shape`).
+
+    The array (see the module docstring):
+        num_models: the number of models B.
+        learning_rate: one rate (shared) or one per model.
+        grid: hyper-parameter name -> values; one model per combination.
+        optimizer: an `hftatf.optimizers` name (None: the recipe's).
+        optimizer_args: the optimizer's other arguments; a list value gives
+            one value per model.
+        schedule: `"constant"`, `"cosine"` (to `alpha` times the rate over
+            the run), `"exponential"` (times `decay_rate`, default 0.9,
+            every `decay_epochs`, default 1) or `"step"` (times
+            `decay_rate`, default 0.1, every `decay_epochs`, default a
+            third of the run).
+        schedule_args: the schedule's arguments, and `warmup_epochs` (a
+            linear warm-up from 0, for any schedule).
+
+    Training:
+        batch_size: the global batch size, split evenly between replicas.
+        epochs: the number of epochs (None: the recipe's).
+        train_steps: steps per epoch (None: one pass over the training set).
+        eval_steps: validation steps per epoch (None: the validation set).
+        steps_per_execution: steps per compiled call.
+        mixed_precision: a Keras dtype policy name.
+        jit_compile: `"auto"`, True or False (XLA; always on on TPUs).
+        seed: seeds the models' initialisation, the data and dropout.
+        deterministic: whether to enable TensorFlow's op determinism.
+
+    Outputs:
+        model_dir: checkpoints, logs, the config and the results (None:
+            `runs/<model>`).
+        export_dir: where each model is exported (None: `model_dir/export`,
+            `""`: no export).
+        verbose: Keras' verbosity (0 silent, 1 progress bar, 2 one line per
+            epoch).
+    """
+
+    strategy: str = "auto"
+    tpu: str | None = None
+    zone: str | None = None
+    project: str | None = None
+    model: str = "mlp"
+    model_args: dict = dataclasses.field(default_factory=dict)
+    dataset: str | None = None
+    validation_dataset: str | None = None
+    data_dir: str | None = None
+    data_args: dict = dataclasses.field(default_factory=dict)
+    num_models: int | None = None
+    learning_rate: list | None = None
+    grid: dict = dataclasses.field(default_factory=dict)
+    optimizer: str | None = None
+    optimizer_args: dict = dataclasses.field(default_factory=dict)
+    schedule: str = "constant"
+    schedule_args: dict = dataclasses.field(default_factory=dict)
+    batch_size: int = 64
+    epochs: int | None = None
+    train_steps: int | None = None
+    eval_steps: int | None = None
+    steps_per_execution: int = 1
+    mixed_precision: str = "float32"
+    jit_compile: str | bool = "auto"
+    seed: int = 0
+    deterministic: bool = False
+    model_dir: str | None = None
+    export_dir: str | None = None
+    verbose: int = 1
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, _normalize(
+                field.name, getattr(self, field.name), "Config"))
+
+    # -- building -----------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, values, source="the configuration"):
+        """A Config from a mapping of field names to values; unknown names
+        are an error naming `source`."""
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{source} must be a mapping of configuration names to "
+                f"values. Received: {values!r}.")
+        return cls().updated(values, source)
+
+    def updated(self, values, source):
+        """A copy with `values` (field name, or `mapping.key`, -> value)
+        applied over this config. Mappings (`model_args`, `grid`, ...) are
+        merged key by key; other fields are replaced."""
+        names = field_names()
+        current = dataclasses.asdict(self)
+        for key, value in values.items():
+            name, _, item = str(key).partition(".")
+            if name not in names:
+                raise ConfigError(
+                    f"Unknown configuration name {key!r} in {source}. "
+                    f"Known names: {', '.join(names)}.")
+            if item:
+                if name not in MAPPINGS:
+                    raise ConfigError(
+                        f"{source} sets {key!r}, but {name!r} is not a "
+                        f"mapping; set it as {name}=VALUE.")
+                value = {item: value}
+            value = _normalize(name, value, source)
+            if name in MAPPINGS and value:
+                current[name] = {**current[name], **value}
+            else:
+                current[name] = value
+        return type(self)(**current)
+
+    def to_dict(self):
+        """The config as plain JSON/YAML-ready values."""
+        return _plain(dataclasses.asdict(self))
+
+    # -- validation ---------------------------------------------------------
+
+    def validate(self):
+        """Checks everything that can be checked before any work starts;
+        returns self. Raises ConfigError naming the flag and the fix."""
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(
+                f"--strategy must be one of {', '.join(STRATEGIES)}. "
+                f"Received: {self.strategy!r}.")
+        if self.tpu is not None and self.strategy not in ("auto", "tpu"):
+            raise ConfigError(
+                f"--tpu={self.tpu} asks for a TPU, but --strategy="
+                f"{self.strategy} does not use one. Pass --strategy=tpu (or "
+                "auto), or leave --tpu out.")
+        for name in ("model_dir", "export_dir"):
+            value = getattr(self, name)
+            if value and "://" in value:
+                raise ConfigError(
+                    f"--{name}={value} must be a local directory: the "
+                    "backup and the export are written with local file "
+                    "operations. To keep them in Cloud Storage, mount the "
+                    "bucket (e.g. with gcsfuse) and pass its mount point.")
+        recipe = self.recipe()
+        for name in ("batch_size", "steps_per_execution"):
+            _check_positive(name, getattr(self, name))
+        for name in ("epochs", "train_steps", "num_models"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.eval_steps is not None and (
+                _not_int(self.eval_steps) or self.eval_steps < 0):
+            raise ConfigError(
+                "--eval_steps must be an integer >= 0 (0: no validation). "
+                f"Received: {self.eval_steps!r}.")
+        if _not_int(self.seed):
+            raise ConfigError(
+                f"--seed must be an integer. Received: {self.seed!r}.")
+        if self.train_steps is not None and (
+                self.train_steps % self.steps_per_execution):
+            raise ConfigError(
+                f"--train_steps={self.train_steps} must be a multiple of "
+                f"--steps_per_execution={self.steps_per_execution}: a "
+                "compiled call always runs --steps_per_execution steps.")
+        if self.eval_steps and self.eval_steps % self.steps_per_execution:
+            raise ConfigError(
+                f"--eval_steps={self.eval_steps} must be a multiple of "
+                f"--steps_per_execution={self.steps_per_execution}.")
+        if self.mixed_precision not in PRECISIONS:
+            raise ConfigError(
+                f"--mixed_precision must be one of {', '.join(PRECISIONS)}."
+                f" Received: {self.mixed_precision!r}.")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"--schedule must be one of {', '.join(SCHEDULES)}. "
+                f"Received: {self.schedule!r}.")
+        unknown = sorted(set(self.schedule_args)
+                         - set(SCHEDULE_ARGS[self.schedule]))
+        if unknown:
+            raise ConfigError(
+                f"--schedule_args {unknown} are not arguments of the "
+                f"{self.schedule!r} schedule; it takes "
+                f"{', '.join(SCHEDULE_ARGS[self.schedule])}.")
+        for key, value in self.schedule_args.items():
+            if key != "staircase" and (not _is_number(value) or value < 0):
+                raise ConfigError(
+                    f"--schedule_args {key} must be a number >= 0. "
+                    f"Received: {value!r}.")
+        _check_builder_args("model_args", recipe.build, self.model_args,
+                            self.model)
+        self.array_plan()
+        return self
+
+    def recipe(self):
+        """The zoo recipe of `model`."""
+        from hftatf.models import recipes
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(
+                f"--model must be a zoo model name. Received: "
+                f"{self.model!r}.")
+        try:
+            return recipes.get(self.model)
+        except ValueError as error:
+            raise ConfigError(f"--model: {error}") from None
+
+    # -- the array ----------------------------------------------------------
+
+    def optimizer_class(self):
+        """The fused optimizer class of `optimizer` (or of the recipe)."""
+        import hftatf
+
+        name = self.optimizer or self.recipe().optimizer
+        try:
+            return type(hftatf.optimizers.get(name))
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"--optimizer: {error}") from None
+
+    def array_plan(self):
+        """How the array's models differ: `(num_models, per_model, shared)`,
+        where `per_model` maps each per-model hyper-parameter to its B
+        values and `shared` holds the optimizer's other arguments (the
+        learning rate included, unless it is per model).
+
+        Raises ConfigError for conflicting or mismatched values.
+        """
+        recipe = self.recipe()
+        cls = self.optimizer_class()
+        per_model_names = _hyperparameter_names(cls)
+        allowed = _optimizer_arg_names(cls)
+        for key in self.optimizer_args:
+            if key not in allowed:
+                raise ConfigError(
+                    f"--optimizer_args {key!r} is not an argument of "
+                    f"hftatf.optimizers.{cls.__name__}; it takes "
+                    f"{', '.join(sorted(allowed))}.")
+        if "learning_rate" in self.optimizer_args:
+            raise ConfigError(
+                "Give the learning rate with --learning_rate (or --grid), "
+                "not --optimizer_args.")
+        shared = {k: v for k, v in self.optimizer_args.items()
+                  if not isinstance(v, list)}
+        lists = {k: v for k, v in self.optimizer_args.items()
+                 if isinstance(v, list)}
+        rates = self.learning_rate
+        if rates is not None and len(rates) > 1:
+            lists = {"learning_rate": rates, **lists}
+        for name in list(lists) + list(self.grid):
+            if name not in per_model_names:
+                raise ConfigError(
+                    f"{name!r} cannot take one value per model: the "
+                    f"per-model hyper-parameters of hftatf.optimizers."
+                    f"{cls.__name__} are {', '.join(per_model_names)}.")
+        if self.grid:
+            if lists:
+                described = ", ".join(_describe(k, v)
+                                      for k, v in lists.items())
+                raise ConfigError(
+                    f"--grid and per-model lists ({described}) cannot both "
+                    "be given: put every varying hyper-parameter in the "
+                    "grid, or give lists only.")
+            both = sorted(set(self.grid) & (
+                set(shared) | ({"learning_rate"} if rates else set())))
+            if both:
+                raise ConfigError(
+                    f"{both} given both in --grid and as a single value; "
+                    "give each hyper-parameter once.")
+            combinations = list(itertools.product(*self.grid.values()))
+            per_model = {name: [c[i] for c in combinations]
+                         for i, name in enumerate(self.grid)}
+            source = f"--grid gives {len(combinations)} combinations"
+        elif lists:
+            lengths = {name: len(values) for name, values in lists.items()}
+            if len(set(lengths.values())) > 1:
+                described = ", ".join(f"{name} has {n}"
+                                      for name, n in lengths.items())
+                raise ConfigError(
+                    "Every per-model list needs one value per model, but "
+                    f"{described} values. Give them the same length (or a "
+                    "single value to share).")
+            per_model = dict(lists)
+            name, length = next(iter(lengths.items()))
+            source = f"{_describe(name, lists[name])} gives {length} models"
+        else:
+            per_model = {}
+            source = None
+        if per_model:
+            num_models = len(next(iter(per_model.values())))
+            if self.num_models is not None and self.num_models != num_models:
+                raise ConfigError(
+                    f"--num_models={self.num_models} does not match the "
+                    f"per-model hyper-parameters: {source}. Leave "
+                    "--num_models out, or make them agree.")
+        elif self.num_models is not None:
+            num_models = self.num_models
+        else:
+            num_models = len(DEFAULT_SWEEP)
+            if rates is None:
+                per_model = {"learning_rate": [
+                    _round(recipe.learning_rate * factor)
+                    for factor in DEFAULT_SWEEP]}
+        if "learning_rate" not in per_model:
+            shared["learning_rate"] = (rates[0] if rates
+                                       else recipe.learning_rate)
+        for name, values in per_model.items():
+            for value in values:
+                if not _is_number(value):
+                    raise ConfigError(
+                        f"Per-model values of {name!r} must be numbers. "
+                        f"Received: {values!r}.")
+        for value in per_model.get("learning_rate", [shared.get(
+                "learning_rate")]):
+            if not value > 0:
+                raise ConfigError(
+                    f"Every learning rate must be positive. Received: "
+                    f"{per_model.get('learning_rate', value)!r}.")
+        try:
+            # Constructing the optimizer checks every value's range.
+            with _scratch_graph():
+                cls(**shared, **per_model)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(
+                f"hftatf.optimizers.{cls.__name__} refuses the "
+                f"hyper-parameters: {error}") from None
+        return num_models, per_model, shared
+
+    def resolved(self):
+        """A copy with the recipe's defaults filled in (optimizer, epochs,
+        the per-model learning rates, the output directories), as written
+        to `model_dir`: rerunning it trains the same array."""
+        recipe = self.recipe()
+        _, per_model, shared = self.array_plan()
+        changes = {
+            "optimizer": self.optimizer or recipe.optimizer,
+            "epochs": self.epochs or recipe.epochs,
+            "model_dir": self.model_dir or str(
+                pathlib.Path("runs") / self.model),
+        }
+        if "learning_rate" in self.grid:
+            pass  # The grid holds the rates.
+        elif "learning_rate" in per_model:
+            changes["learning_rate"] = per_model["learning_rate"]
+        else:
+            changes["learning_rate"] = [shared["learning_rate"]]
+        if self.export_dir is None:
+            changes["export_dir"] = str(
+                pathlib.Path(changes["model_dir"]) / "export")
+        return dataclasses.replace(self, **changes)
+
+    # -- files --------------------------------------------------------------
+
+    def write(self, directory):
+        """Writes the config to `directory/config.yaml` (`config.json`
+        without PyYAML); returns the path."""
+        directory = pathlib.Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        values = self.to_dict()
+        try:
+            import yaml
+        except ImportError:
+            path = directory / CONFIG_JSON
+            text = json.dumps(values, indent=2) + "\n"
+        else:
+            path = directory / CONFIG_YAML
+            text = yaml.safe_dump(values, sort_keys=False)
+        temporary = path.with_name(f".{path.name}.tmp")
+        temporary.write_text(text)
+        temporary.replace(path)
+        return path
+
+
+def field_names():
+    """The names of the configuration's fields, in order."""
+    return [field.name for field in dataclasses.fields(Config)]
+
+
+def read_file(path):
+    """The mapping in a YAML (`.yaml`/`.yml`, needs PyYAML) or JSON file."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"--config_file {str(path)!r} does not exist or is not a file.")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            values = json.loads(text)
+        except ValueError as error:
+            raise ConfigError(
+                f"--config_file {str(path)!r} is not valid JSON: {error}"
+            ) from None
+    else:
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(
+                f"Reading the YAML file {str(path)!r} needs PyYAML: pip "
+                "install pyyaml (or give the config as a .json file)."
+            ) from None
+        try:
+            values = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ConfigError(
+                f"--config_file {str(path)!r} is not valid YAML: {error}"
+            ) from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(
+            f"--config_file {str(path)!r} must hold a mapping of "
+            f"configuration names to values. Received: {values!r}.")
+    return values
+
+
+# -- parsing ----------------------------------------------------------------
+
+
+def parse_value(text):
+    """A flag's value text as a Python value: a number, a bool, None, a list
+    or a dict (JSON or Python literal syntax), else the text itself."""
+    if not isinstance(text, str):
+        return text
+    text = text.strip()
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered in ("none", "null", "~"):
+        return None
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            return parse(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError,
+                RecursionError):
+            pass
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
+
+
+def parse_mapping(text, flag, separator=","):
+    """`"a=1,b=[2,3],c.d=x"` (or a YAML/JSON mapping) -> a dict.
+
+    A bare value continues the previous key's value as a list:
+    `"learning_rate=0.1,0.01,epochs=3"` gives `learning_rate: [0.1, 0.01]`.
+    """
+    if text is None:
+        return {}
+    if isinstance(text, dict):
+        return dict(text)
+    text = str(text).strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        value = _parse_structured(text)
+        if not isinstance(value, dict):
+            raise ConfigError(
+                f"--{flag} is not a valid mapping. Received: {text!r}.")
+        return value
+    values = {}
+    key = None
+    continued = set()
+    for token in _split(text, separator):
+        name, equals, value = token.partition("=")
+        if equals and re.fullmatch(r"[A-Za-z_][\w.]*", name.strip()):
+            key = name.strip()
+            values[key] = parse_value(value)
+            continued.discard(key)
+        elif key is None:
+            raise ConfigError(
+                f"--{flag} must be a list of name=value pairs (or a YAML "
+                f"mapping). Received: {text!r}.")
+        else:
+            if key not in continued:
+                values[key] = [values[key]]
+                continued.add(key)
+            values[key].append(parse_value(token))
+    return values
+
+
+def parse_grid(text):
+    """`"learning_rate=1e-3,1e-4;weight_decay=0,1e-4"` (or a mapping) ->
+    `{"learning_rate": [1e-3, 1e-4], "weight_decay": [0, 1e-4]}`."""
+    if text is None:
+        return {}
+    if isinstance(text, dict):
+        items = dict(text)
+    else:
+        text = str(text).strip()
+        if not text:
+            return {}
+        if text.startswith("{"):
+            items = _parse_structured(text)
+            if not isinstance(items, dict):
+                raise ConfigError(f"--grid is not a mapping: {text!r}.")
+        else:
+            items = {}
+            for part in _split(text, ";"):
+                name, equals, values = part.partition("=")
+                if not equals or not name.strip():
+                    raise ConfigError(
+                        "--grid must be NAME=V1,V2,...;NAME=V1,... (e.g. "
+                        "\"learning_rate=1e-3,1e-4;weight_decay=0,1e-4\"). "
+                        f"Received: {text!r}.")
+                items[name.strip()] = [parse_value(v)
+                                       for v in _split(values, ",")]
+    grid = {}
+    for name, values in items.items():
+        values = list(values) if isinstance(values, (list, tuple)) else [
+            values]
+        if not values:
+            raise ConfigError(f"--grid {name!r} has no values.")
+        grid[str(name)] = [_number(v, f"--grid {name}") for v in values]
+    return grid
+
+
+def _parse_structured(text):
+    try:
+        import yaml
+    except ImportError:
+        return parse_value(text)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"Cannot read {text!r}: {error}") from None
+
+
+def _split(text, separator):
+    """Splits on `separator` outside brackets and quotes."""
+    parts, depth, quote, current = [], 0, None, []
+    for char in text:
+        if quote:
+            if char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == separator and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+            continue
+        current.append(char)
+    parts.append("".join(current).strip())
+    return [part for part in parts if part]
+
+
+# -- normalisation ----------------------------------------------------------
+
+
+def _normalize(name, value, source):
+    """`value` for field `name` in its canonical type (flags give strings,
+    YAML numbers or strings)."""
+    if name == "learning_rate":
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = _split(value, ",") if "," in value else [value]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        if not value:
+            raise ConfigError(
+                f"learning_rate in {source} needs at least one value.")
+        return [_number(v, "--learning_rate") for v in value]
+    if name == "grid":
+        return parse_grid(value)
+    if name in MAPPINGS:
+        mapping = parse_mapping(value, name)
+        return {str(k): _plain(v) for k, v in mapping.items()}
+    if name == "jit_compile":
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if value not in ("auto", True, False):
+            raise ConfigError(
+                f"jit_compile must be auto, true or false. Received: "
+                f"{value!r} in {source}.")
+        return value
+    if name == "deterministic":
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        return value
+    if name in ("batch_size", "epochs", "train_steps", "eval_steps",
+                "steps_per_execution", "num_models", "seed", "verbose"):
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                raise ConfigError(
+                    f"--{name} must be an integer. Received: {value!r} in "
+                    f"{source}.") from None
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
+    if name in ("tpu", "zone", "project", "dataset", "validation_dataset",
+                "data_dir", "optimizer") and value == "":
+        return None
+    return value
+
+
+def _plain(value):
+    """Tuples as lists, recursively (YAML and JSON write lists)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _number(value, what):
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(
+                f"{what} must be a number or a comma list of numbers. "
+                f"Received: {value!r}.") from None
+    if not _is_number(value) or not math.isfinite(value):
+        raise ConfigError(
+            f"{what} must be a number or a comma list of numbers. "
+            f"Received: {value!r}.")
+    return value
+
+
+def _is_number(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _not_int(value):
+    return not isinstance(value, numbers.Integral) or isinstance(value, bool)
+
+
+def _check_positive(name, value):
+    if _not_int(value) or value < 1:
+        raise ConfigError(
+            f"--{name} must be a positive integer. Received: {value!r}.")
+
+
+def _round(value):
+    """`value` to 6 significant digits (0.1 * 0.3 is 0.03, not
+    0.030000000000000002)."""
+    return float(f"{value:.6g}")
+
+
+def _describe(name, values):
+    flag = "--learning_rate" if name == "learning_rate" else (
+        f"--optimizer_args {name}")
+    return f"{flag}={','.join(f'{v:g}' for v in values)}"
+
+
+def _hyperparameter_names(cls):
+    """The per-model (float) hyper-parameters of a fused optimizer class."""
+    with _scratch_graph():
+        return tuple(cls().hyperparameter_names)
+
+
+def _scratch_graph():
+    """A throwaway graph for the variables that checking an optimizer
+    creates: validation leaves no eager state behind (a TPU is connected to,
+    and its system initialised, after it)."""
+    import tensorflow as tf
+
+    return tf.Graph().as_default()
+
+
+def _optimizer_arg_names(cls):
+    parameters = inspect.signature(cls).parameters.values()
+    names = {p.name for p in parameters
+             if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    names.update(BASE_OPTIMIZER_ARGS)
+    names.discard("name")
+    names.discard("num_models")
+    return names
+
+
+def _check_builder_args(flag, function, values, model):
+    """Unknown arguments of a builder, where its signature tells."""
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind == p.VAR_KEYWORD for p in parameters):
+        return
+    names = {p.name for p in parameters}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(
+            f"--{flag} {unknown} are not arguments of model {model!r}; it "
+            f"takes {', '.join(sorted(names))}.")

@@ -1,0 +1,387 @@
+"""The launcher's input pipelines: which data, sharded per host, batched per
+replica, fast-forwarded on resume.
+
+A run's data comes from a `Source` (`resolve` picks it from the config): a
+zoo recipe's own data (no download), TFRecord files (local or `gs://`), or
+a tensorflow-datasets data directory. `distributed_inputs` builds the
+training and validation pipelines with
+`strategy.distribute_datasets_from_function`: the function runs once per
+input pipeline (one per host of a TPU pod slice), and its
+`tf.distribute.InputContext` says which shard that host reads (its own
+TFRecord files where there are enough files, else every N-th batch) and the
+per-replica batch size (the global batch divided by the replicas; a global
+batch that does not divide evenly is an error).
+
+Epochs are fixed numbers of steps: one pass over the training set (the
+smallest host's shard, in whole global batches), or `--train_steps`. The
+training stream repeats, reshuffled every pass, so a resumed run reads on
+from where the interrupted one stopped (`initial_epoch`). Validation reads
+the same batches every epoch.
+"""
+
+import dataclasses
+import inspect
+
+import tensorflow as tf
+from absl import logging
+
+from hftatf.models import data as zoo_data
+from hftatf.models import recipes
+from hftatf.tpu.config import ConfigError
+
+# Data recipes of the zoo that make images, and the one that makes point
+# clouds: TFRecord and tensorflow-datasets data are read the same way.
+IMAGE_RECIPES = (zoo_data.digit_images, zoo_data.mnist_images)
+POINT_RECIPES = (zoo_data.shapes,)
+
+TFDS_PREFIX = "tfds:"
+TFRECORD_PREFIX = "tfrecord:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a run's examples come from.
+
+    Attributes:
+        kind: `"recipe"`, `"tfrecord"` or `"tfds"`.
+        description: what the logs and the results call it.
+        make: `make(batch_size, context)` -> `(train, validation)`, the
+            batched (`batch_size` per replica) datasets of the input
+            pipeline `context`, one pass each, validation possibly None.
+    """
+
+    kind: str
+    description: str
+    make: object
+
+    def datasets(self, batch_size, context):
+        """`(train, validation)` batches of input pipeline `context`."""
+        return self.make(batch_size, context)
+
+
+def resolve(config, recipe):
+    """The `Source` of `config.dataset` for the model `recipe`.
+
+    Raises:
+        ConfigError: for a dataset that is neither a zoo recipe, nor
+            existing TFRecord files, nor a tensorflow-datasets name with
+            `--data_dir`, or data arguments the loader does not take.
+    """
+    name = config.dataset
+    if name is None or name == recipe.name:
+        return _recipe_source(recipe, config)
+    if name.startswith(TFDS_PREFIX):
+        return _tfds_source(name[len(TFDS_PREFIX):], recipe, config)
+    if name.startswith(TFRECORD_PREFIX):
+        return _tfrecord_source(name[len(TFRECORD_PREFIX):], recipe, config)
+    if name in recipes.names():
+        return _recipe_source(recipes.get(name), config)
+    if _looks_like_files(name):
+        return _tfrecord_source(name, recipe, config)
+    if config.data_dir:
+        return _tfds_source(name, recipe, config)
+    raise ConfigError(
+        f"--dataset={name!r} is not a zoo recipe ({', '.join(recipes.names())}"
+        "), not a TFRecord file name or glob, and there is no --data_dir to "
+        "read it from as a tensorflow-datasets name. Pass one of those.")
+
+
+def _looks_like_files(name):
+    return "://" in name or any(c in name for c in "/*?[") or name.endswith(
+        (".tfrecord", ".tfrecords", ".tfrec"))
+
+
+def _check_args(function, args, fixed, what):
+    parameters = inspect.signature(function).parameters
+    unknown = sorted(set(args) - set(parameters) - set(fixed))
+    taken = sorted(set(parameters) - set(fixed))
+    if unknown:
+        raise ConfigError(
+            f"--data_args {unknown} are not arguments of {what}; it takes "
+            f"{', '.join(taken)}.")
+    overlap = sorted(set(args) & set(fixed))
+    if overlap:
+        raise ConfigError(
+            f"--data_args cannot set {overlap}: the launcher sets them (use "
+            "--batch_size and --seed).")
+
+
+def _recipe_source(recipe, config):
+    args = {**recipe.data_args, **config.data_args}
+    _check_args(recipe.data, args, ("batch_size", "seed"),
+                f"the data of recipe {recipe.name!r}")
+    seed = config.seed
+
+    def make(batch_size, context):
+        train, validation = recipe.data(batch_size=batch_size, seed=seed,
+                                        **args)
+        return (_shard_batches(train, context),
+                None if validation is None else _shard_batches(
+                    validation, context))
+
+    return Source("recipe", f"recipe {recipe.name}", make)
+
+
+def _shard_batches(dataset, context):
+    """Every N-th batch, for input pipeline `context` of N. Hosts read the
+    same seeded order, so their shards are disjoint."""
+    if context.num_input_pipelines == 1:
+        return dataset
+    return dataset.shard(context.num_input_pipelines,
+                         context.input_pipeline_id)
+
+
+def _record_kind(recipe):
+    """`"images"` or `"points"`: how files are read for `recipe`."""
+    if recipe.data in POINT_RECIPES:
+        return "points"
+    if recipe.data in IMAGE_RECIPES or {"image_size", "channels"} & set(
+            recipe.data_args):
+        return "images"
+    raise ConfigError(
+        f"Model {recipe.name!r} trains on data that the launcher cannot read "
+        "from TFRecord or tensorflow-datasets files (it reads images and "
+        "point clouds). Use its own recipe (leave --dataset out).")
+
+
+def _glob(pattern, flag):
+    names = sorted(tf.io.gfile.glob(pattern))
+    if not names:
+        raise ConfigError(
+            f"{flag}: no file matches {pattern!r}. Pass existing TFRecord "
+            "file names or glob patterns (gs:// paths work).")
+    return names
+
+
+def _tfrecord_source(pattern, recipe, config):
+    kind = _record_kind(recipe)
+    train_files = _glob(pattern, "--dataset")
+    validation_files = None if config.validation_dataset is None else _glob(
+        config.validation_dataset, "--validation_dataset")
+    loader = (zoo_data.tfrecord_points if kind == "points"
+              else zoo_data.tfrecord_images)
+    # The recipe's own arguments that the file reader also takes (image
+    # size, channels, segmentation, ...), then the user's.
+    names = inspect.signature(loader).parameters
+    args = {k: v for k, v in recipe.data_args.items() if k in names} | (
+        config.data_args)
+    fixed = ("train_files", "validation_files", "batch_size", "seed")
+    _check_args(loader, args, fixed, f"{loader.__name__} ({kind} files)")
+    seed = config.seed
+
+    def make(batch_size, context):
+        train, shard_train = _shard_files(train_files, context)
+        validation, shard_validation = (None, False) if (
+            validation_files is None) else _shard_files(
+            validation_files, context)
+        train_set, validation_set = loader(train, validation, batch_size,
+                                           seed=seed, **args)
+        if shard_train:
+            train_set = _shard_batches(train_set, context)
+        if validation_set is not None and shard_validation:
+            validation_set = _shard_batches(validation_set, context)
+        return train_set, validation_set
+
+    return Source("tfrecord", f"TFRecord files {pattern}", make)
+
+
+def _shard_files(files, context):
+    """This pipeline's files, and whether batches must still be sharded
+    (when there are fewer files than pipelines)."""
+    count, index = context.num_input_pipelines, context.input_pipeline_id
+    if count > 1 and len(files) >= count:
+        return files[index::count], False
+    return files, count > 1
+
+
+def _tfds_source(name, recipe, config):
+    if not config.data_dir:
+        raise ConfigError(
+            f"--dataset={TFDS_PREFIX}{name} is read from a tensorflow-datasets"
+            " data directory: pass --data_dir (e.g. gs://bucket/"
+            "tensorflow_datasets), prepared beforehand.")
+    if _record_kind(recipe) != "images":
+        raise ConfigError(
+            f"tensorflow-datasets data is read as images; model "
+            f"{recipe.name!r} needs point clouds.")
+    loader = zoo_data.tfds_images
+    names = inspect.signature(loader).parameters
+    args = {k: v for k, v in recipe.data_args.items() if k in names} | (
+        config.data_args)
+    _check_args(loader, args, ("name", "data_dir", "batch_size", "seed"),
+                "tfds_images")
+    data_dir, seed = config.data_dir, config.seed
+
+    def make(batch_size, context):
+        train, validation = loader(name, data_dir, batch_size, seed=seed,
+                                   **args)
+        return (_shard_batches(train, context),
+                None if validation is None else _shard_batches(
+                    validation, context))
+
+    return Source("tfds", f"tensorflow-datasets {name} in {data_dir}", make)
+
+
+# -- distribution -----------------------------------------------------------
+
+
+def per_replica_batch_size(global_batch_size, num_replicas):
+    """The global batch split evenly between `num_replicas`.
+
+    Raises:
+        ConfigError: where it does not split evenly.
+    """
+    if global_batch_size % num_replicas:
+        low = global_batch_size // num_replicas * num_replicas
+        raise ConfigError(
+            f"--batch_size={global_batch_size} (the global batch) must "
+            f"split evenly between the {num_replicas} replicas. Pass a "
+            f"multiple of {num_replicas}, e.g. {max(low, num_replicas)} or "
+            f"{low + num_replicas}.")
+    return global_batch_size // num_replicas
+
+
+def input_contexts(strategy):
+    """The `tf.distribute.InputContext` of each input pipeline (host) of
+    `strategy`, as `distribute_datasets_from_function` passes them."""
+    contexts = []
+
+    def probe(context):
+        contexts.append(context)
+        return tf.data.Dataset.from_tensors(tf.zeros([1]))
+
+    strategy.distribute_datasets_from_function(probe)
+    if not contexts:
+        contexts = [tf.distribute.InputContext(
+            1, 0, strategy.num_replicas_in_sync)]
+    return contexts
+
+
+def count_batches(dataset):
+    """The number of elements of one pass of `dataset` (read once where
+    its cardinality is unknown)."""
+    cardinality = int(dataset.cardinality())
+    if cardinality == tf.data.INFINITE_CARDINALITY:
+        raise ConfigError(
+            "The dataset repeats forever: pass --train_steps (and "
+            "--eval_steps) to say how long an epoch is.")
+    if cardinality >= 0:
+        return cardinality
+    return int(dataset.reduce(tf.constant(0, tf.int64),
+                              lambda count, _: count + 1))
+
+
+@dataclasses.dataclass
+class Inputs:
+    """A run's distributed inputs.
+
+    Attributes:
+        train: the training `DistributedDataset` (an endless stream).
+        validation: the validation `DistributedDataset`, or None.
+        steps_per_epoch: training steps per epoch.
+        validation_steps: validation steps per epoch (0 without one).
+        per_replica_batch_size: examples per replica per step.
+        num_input_pipelines: the input pipelines (hosts).
+    """
+
+    train: object
+    validation: object
+    steps_per_epoch: int
+    validation_steps: int
+    per_replica_batch_size: int
+    num_input_pipelines: int
+
+
+def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
+                       eval_steps=None, steps_per_execution=1,
+                       initial_epoch=0, static_shapes=False):
+    """Builds the training and validation inputs of a run.
+
+    Args:
+        strategy: the `tf.distribute.Strategy` the array trains under.
+        source: the `Source` of the examples.
+        global_batch_size: examples per step, over all replicas.
+        train_steps: training steps per epoch; None for one pass over the
+            smallest host's shard (in whole steps).
+        eval_steps: validation steps per epoch; None for one pass, 0 for
+            no validation.
+        steps_per_execution: epochs are rounded down to a multiple of it.
+        initial_epoch: the epoch a resumed run starts at: the training
+            stream skips the steps of the epochs before it.
+        static_shapes: whether every batch must be full (TPUs); training
+            batches always are.
+
+    Returns:
+        An `Inputs`.
+    """
+    replicas = strategy.num_replicas_in_sync
+    batch = per_replica_batch_size(global_batch_size, replicas)
+    contexts = input_contexts(strategy)
+    local = max(1, replicas // len(contexts))
+
+    def one_pass(context):
+        """This pipeline's `(train, validation)`, one pass each."""
+        train, validation = source.datasets(batch, context)
+        # Every training step takes whole batches on every replica.
+        train = train.rebatch(batch, drop_remainder=True)
+        if validation is not None and static_shapes:
+            validation = validation.rebatch(batch, drop_remainder=True)
+        return train, validation
+
+    def whole_steps(datasets, what):
+        """Whole steps (of `steps_per_execution`) in the smallest shard."""
+        smallest = min(count_batches(dataset) for dataset in datasets)
+        whole = smallest // local
+        whole -= whole % steps_per_execution
+        if whole == 0:
+            message = (
+                f"The {what} set ({source.description}) has {smallest} "
+                f"batches of {batch} per input pipeline: not one step of "
+                f"{steps_per_execution} x {local} replica batches.")
+            if what == "training":
+                raise ConfigError(
+                    f"{message} Lower --batch_size or --steps_per_execution.")
+            logging.warning("%s No validation: lower --batch_size to "
+                            "validate.", message)
+        return whole
+
+    passes = [one_pass(context) for context in contexts]
+    steps_per_epoch = train_steps or whole_steps(
+        [train for train, _ in passes], "training")
+    if passes[0][1] is None or eval_steps == 0:
+        validation_steps = 0
+    else:
+        validation_steps = eval_steps or whole_steps(
+            [validation for _, validation in passes], "validation")
+    del passes
+    skip = initial_epoch * steps_per_epoch * local
+
+    def train_fn(context):
+        dataset, _ = one_pass(context)
+        if train_steps is None:
+            # An epoch is one pass: the same number of whole steps on
+            # every host.
+            dataset = dataset.take(steps_per_epoch * local)
+        dataset = dataset.repeat()
+        if skip:
+            dataset = dataset.skip(skip)
+        return dataset.prefetch(tf.data.AUTOTUNE)
+
+    def validation_fn(context):
+        _, dataset = one_pass(context)
+        return dataset.take(validation_steps * local).prefetch(
+            tf.data.AUTOTUNE)
+
+    train = strategy.distribute_datasets_from_function(train_fn)
+    validation = None
+    if validation_steps:
+        validation = strategy.distribute_datasets_from_function(
+            validation_fn)
+    if skip:
+        logging.info("Resuming at epoch %d: the input stream skips %d "
+                     "batches per input pipeline.", initial_epoch, skip)
+    return Inputs(train=train, validation=validation,
+                  steps_per_epoch=steps_per_epoch,
+                  validation_steps=validation_steps,
+                  per_replica_batch_size=batch,
+                  num_input_pipelines=len(contexts))
