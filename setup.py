@@ -23,8 +23,8 @@ setuptools.setup(
     python_requires=">=3.10",
     # `models/` and `tpu/` live at the top of the repository but install as
     # `hftatf.models` and `hftatf.tpu`, never as top-level packages.
-    packages=["hftatf", "hftatf.layers", "hftatf.optimizers", "hftatf.models",
-              "hftatf.tpu"],
+    packages=["hftatf", "hftatf.layers", "hftatf.optimizers", "hftatf.tuning",
+              "hftatf.models", "hftatf.tpu"],
     package_dir={
         "hftatf": "hftatf",
         "hftatf.models": "models",
@@ -39,9 +39,15 @@ setuptools.setup(
     extras_require={
         "data": ["scikit-learn>=1.4"],
         "plot": ["matplotlib>=3.8"],
-        "dev": ["pytest>=8", "ruff>=0.6", "scikit-learn>=1.4"],
+        # `hftatf-train --config_file` reads YAML with it.
+        "tpu": ["pyyaml>=5.1"],
+        # `hftatf.tuning`: keras-tuner tuners that train arrays.
+        "tune": ["keras-tuner>=1.4,<2", "pyyaml>=5.1"],
+        "dev": ["pytest>=8", "ruff>=0.6", "scikit-learn>=1.4", "pyyaml>=5.1",
+                "keras-tuner>=1.4,<2"],
     },
     entry_points={
-        "console_scripts": ["hftatf-train = hftatf.tpu.train:run"],
+        "console_scripts": ["hftatf-train = hftatf.tpu.train:run",
+                            "hftatf-tune = hftatf.tpu.tune:run"],
     },
 )

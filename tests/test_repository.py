@@ -29,3 +29,17 @@ def test_zoo_and_launchers_install_under_the_hftatf_namespace():
 
     assert pathlib.Path(hftatf.models.mlp.__file__).parent.name == "models"
     assert pathlib.Path(hftatf.tpu.train.__file__).parent.name == "tpu"
+
+
+def test_setup_installs_every_package():
+    setup = (ROOT / "setup.py").read_text()
+    listed = set(re.findall(r'"(hftatf(?:\.\w+)*)"',
+                            setup[setup.index("packages="):
+                                  setup.index("package_dir=")]))
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "hftatf").rglob("__init__.py")}
+    found |= {"hftatf." + p.parent.name
+              for p in (ROOT / "models").glob("__init__.py")}
+    found |= {"hftatf." + p.parent.name
+              for p in (ROOT / "tpu").glob("__init__.py")}
+    assert found <= listed, found - listed

@@ -1,0 +1,129 @@
+"""The tuning launcher: a short digits search end to end, and its flags."""
+
+import json
+import subprocess
+import sys
+
+import keras
+import keras_tuner
+import pytest
+from absl import flags
+
+from hftatf import tuning
+from hftatf.tpu import tune
+
+
+def parsed(*args):
+    flag_values = flags.FlagValues()
+    tune.define_flags(flag_values)
+    flag_values(["hftatf-tune", *args])
+    return flag_values
+
+
+def test_search_prints_the_trials_and_exports_the_best(tmp_path, capsys):
+    flag_values = parsed(
+        "--search_space=learning_rate=choice:0.3,0.01", "--max_trials=2",
+        "--epochs=1", "--train_steps=3", "--eval_steps=2", "--num_models=2",
+        f"--directory={tmp_path}", "--overwrite")
+    tuner = tune.main(["hftatf-tune"], flag_values=flag_values)
+    printed = capsys.readouterr().out
+    assert "val_accuracy" in printed and "learning_rate" in printed
+    assert "0.3" in printed and "0.01" in printed
+    done = tuner.oracle.get_best_trials(2)
+    assert [t.status for t in done] == ["COMPLETED", "COMPLETED"]
+    best = tmp_path / "mlp" / "best" / "rank_0"
+    model = keras.models.load_model(best / "model.keras")
+    assert model.output_shape == (None, 10)
+    metadata = json.loads((best / "hyperparameters.json").read_text())
+    assert metadata["trial"] == done[0].trial_id
+    assert metadata["hyperparameters"]["learning_rate"] in (0.3, 0.01)
+
+
+def test_space_from_yaml_and_flags_reaches_the_model(tmp_path):
+    pytest.importorskip("yaml")
+    path = tmp_path / "space.yaml"
+    path.write_text("hidden_units: {type: choice, values: [[12], [20, 6]]}\n"
+                    "learning_rate: {type: fixed, value: 0.5}\n")
+    flag_values = parsed(f"--search_space_file={path}",
+                         "--search_space=momentum=choice:0.0,0.9;"
+                         "learning_rate=fixed:0.2")
+    settings = tune._settings(flag_values)
+    build = tune.make_hypermodel(settings["recipe"], settings["params"],
+                                 settings["model_args"],
+                                 settings["optimizer"], seed=0)
+    hp = keras_tuner.HyperParameters()
+    hp.values.update({"hidden_units": "[20, 6]", "momentum": 0.9})
+    model = build(hp)
+    units = [layer.units for layer in model.layers
+             if isinstance(layer, keras.layers.Dense)]
+    assert units == [20, 6, 10]
+    assert isinstance(model.optimizer, keras.optimizers.SGD)
+    # The flag's entry replaced the file's.
+    assert model.optimizer.get_config()["learning_rate"] == (
+        pytest.approx(0.2))
+    assert model.optimizer.get_config()["momentum"] == pytest.approx(0.9)
+
+
+def test_tuner_flag_picks_the_fused_tuner(tmp_path):
+    flag_values = parsed("--tuner=hyperband", "--epochs=4", "--factor=2",
+                         "--num_models=auto", f"--directory={tmp_path}")
+    tuner = tune.make_tuner(tune._settings(flag_values), flag_values)
+    assert isinstance(tuner, tuning.FusedHyperband)
+    assert tuner.num_models == "auto" and tuner.oracle.max_epochs == 4
+    flag_values = parsed("--tuner=bayesian", f"--directory={tmp_path}",
+                         "--overwrite")
+    assert isinstance(tune.make_tuner(tune._settings(flag_values),
+                                      flag_values),
+                      tuning.FusedBayesianOptimization)
+
+
+def test_distributed_flags_set_keras_tuners_variables():
+    flag_values = parsed("--tuner_id=worker3",
+                         "--oracle_address=10.0.0.2:8000")
+    assert tune.distributed_environment(flag_values) == {
+        "KERASTUNER_TUNER_ID": "worker3",
+        "KERASTUNER_ORACLE_IP": "10.0.0.2",
+        "KERASTUNER_ORACLE_PORT": "8000"}
+    assert tune.distributed_environment(parsed()) == {}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num_models=0"], "num_models"),
+    (["--num_models=lots"], "num_models"),
+    (["--epochs=0"], "epochs"),
+    (["--max_trials=0"], "max_trials"),
+    (["--model=nope"], "Unknown zoo model"),
+    (["--search_space=learning_rate=float:1"], "Bad search space"),
+    (["--model_args=[1"], "JSON"),
+    (["--tuner_id=w1"], "go together"),
+    (["--tuner_id=w1", "--oracle_address=nohost"], "host:port"),
+    (["--local_workers=-1"], "local_workers"),
+    (["--local_workers=2", "--tuner_id=w1", "--oracle_address=h:1"],
+     "does not go with"),
+])
+def test_bad_flags_fail_before_any_work(args, message):
+    flag_values = parsed(*args)
+    with pytest.raises(tune.FlagError, match=message):
+        tune._settings(flag_values)
+        tune.distributed_environment(flag_values)
+
+
+def test_unknown_hyperparameter_name_is_a_flag_error():
+    flag_values = parsed("--search_space=wingspan=choice:1,2")
+    settings = tune._settings(flag_values)
+    with pytest.raises(tune.FlagError, match="wingspan"):
+        tune.make_hypermodel(settings["recipe"], settings["params"],
+                             settings["model_args"], settings["optimizer"])
+
+
+@pytest.mark.slow
+def test_local_cluster_runs_a_chief_and_workers(tmp_path):
+    output = subprocess.run(
+        [sys.executable, "-m", "hftatf.tpu.tune", "--local_workers=2",
+         "--search_space=learning_rate=choice:0.3,0.1,0.03", "--epochs=1",
+         "--train_steps=2", "--eval_steps=1", "--num_models=2",
+         f"--directory={tmp_path}", "--overwrite"],
+        capture_output=True, text=True, timeout=400, check=True).stdout
+    # The chief printed the three trials and exported the best one.
+    assert output.count("COMPLETED") == 3
+    assert (tmp_path / "mlp" / "best" / "rank_0" / "model.keras").exists()
