@@ -2,6 +2,8 @@
 
 import keras
 
+from hftatf.models import data, recipes
+
 
 def build(input_shape, hidden_units=(128, 64), num_classes=10,
           activation="relu", dropout=0.0, name="mlp"):
@@ -28,3 +30,19 @@ def build(input_shape, hidden_units=(128, 64), num_classes=10,
     outputs = keras.layers.Dense(num_classes, activation="softmax",
                                  name="classifier")(x)
     return keras.Model(inputs, outputs, name=name)
+
+
+recipes.register(recipes.Recipe(
+    name="mlp",
+    build=build,
+    data=data.digit_images,
+    loss="sparse_categorical_crossentropy",
+    metrics=("accuracy",),
+    optimizer="sgd",
+    learning_rate=0.1,
+    epochs=30,
+    model_args={"input_shape": (8, 8, 1), "hidden_units": (128, 64)},
+    data_args={"image_size": None, "channels": 1},
+    monitor="val_accuracy",
+    monitor_mode="max",
+))
