@@ -639,3 +639,15 @@ def tfrecord_points(train_files, validation_files, batch_size, seed=0,
                              cache).batch(batch_size).prefetch(
             tf.data.AUTOTUNE)
     return train, validation
+
+
+# Text recipes live in hftatf.models.text; offered here with the others.
+from hftatf.models.text import (  # noqa: E402,F401
+    WordTokenizer,
+    corpus,
+    language_model_baseline,
+    language_model_data,
+    load_texts,
+    masked_lm_data,
+    masked_lm_loss,
+)
