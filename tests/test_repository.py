@@ -43,3 +43,10 @@ def test_setup_installs_every_package():
     found |= {"hftatf." + p.parent.name
               for p in (ROOT / "tpu").glob("__init__.py")}
     assert found <= listed, found - listed
+
+
+def test_test_modules_have_unique_names():
+    # pytest imports test files by module name (tests/ has no packages).
+    names = [p.name for p in (ROOT / "tests").rglob("*.py")]
+    assert sorted(set(names)) == sorted(names), sorted(
+        n for n in set(names) if names.count(n) > 1)
