@@ -30,7 +30,13 @@ computed in one of two exact ways, chosen by the `implementation` argument:
 Depthwise convolutions need no choice: the B models folded into the channel
 axis are one plain depthwise convolution, on every device. A separable
 convolution is that depthwise step followed by a per-model pointwise step,
-an einsum over channels.
+an einsum over channels, on a GPU or TPU; on a CPU it is each model's stock
+separable convolution (as fast, and without the einsum's transposes).
+
+Per-model kernels take their slices with one `unstack` of the input and
+return them with one `stack`, adding each model's bias as the stock layer
+does; folded kernels add the bias in the folded layout, where it is one
+stock bias of `B * filters` channels.
 """
 
 import keras
@@ -120,6 +126,9 @@ def _xla(function, *args):
 def _fold(inputs, num_models):
     """`[batch, B, *spatial, C]` -> `[batch, *spatial, B * C]`, model `b`'s
     channels at `b * C : (b + 1) * C`."""
+    if num_models == 1:
+        # Moving an axis of size one is a reshape: no transpose to pay.
+        return ops.squeeze(inputs, 1)
     inputs = ops.moveaxis(inputs, 1, -2)
     shape = ops.shape(inputs)
     return ops.reshape(inputs, (-1, *shape[1:-2], num_models * shape[-1]))
@@ -127,6 +136,8 @@ def _fold(inputs, num_models):
 
 def _unfold(outputs, num_models):
     """`[batch, *spatial, B * F]` -> `[batch, B, *spatial, F]`."""
+    if num_models == 1:
+        return ops.expand_dims(outputs, 1)
     shape = ops.shape(outputs)
     outputs = ops.reshape(
         outputs, (-1, *shape[1:-1], num_models, shape[-1] // num_models))
@@ -164,11 +175,19 @@ def _channels_last(layer_class, data_format):
 # -- What every fused convolution shares -----------------------------------
 
 
+def is_convolution(layer):
+    """Whether `layer` is a fused convolution of any family (plain,
+    transposed, depthwise or separable)."""
+    return isinstance(layer, _FusedConvolution)
+
+
 class _FusedConvolution(FusedLayer):
     """Geometry, layout checks, bias and activation of fused convolutions.
 
     Subclasses (one per family) create the kernels in `build` and compute
-    the convolution in `call`, finishing with `_add_bias_and_activate`.
+    the convolution in `call`: per model with `_per_model`, or on the models
+    folded into the channel axis, followed by `_add_folded_bias` and
+    `_unfold`; then `_activate`.
     """
 
     def __init__(self, num_models, rank, kernel_size, strides, padding,
@@ -264,12 +283,46 @@ class _FusedConvolution(FusedLayer):
                 constraint=self.bias_constraint,
             )
 
-    def _add_bias_and_activate(self, outputs):
-        if self.bias is not None:
-            # [B, F] -> [B, 1, ..., 1, F]. `+`, not ops.add, whose TensorFlow
-            # bias_add shortcut picks the axis from the shapes alone.
-            outputs = outputs + ops.reshape(
-                self.bias, (self.num_models, *(1,) * self.rank, -1))
+    def _per_model(self, convolution, inputs, *kernels):
+        """Model `b`'s stock convolution and bias on its own input slice,
+        for every `b`: `convolution(x[:, b], *(k[b] for k in kernels))`,
+        stacked on axis 1.
+
+        The slices come from one `unstack` (and go back with one `stack`),
+        whose gradients are one `stack` and one `unstack`: slicing `x[:, b]`
+        B times would cost B gradients of the size of the whole input.
+        """
+        def unstack(x, axis):
+            # One model: a reshape, not a copy.
+            if self.num_models == 1:
+                return [ops.squeeze(x, axis)]
+            return ops.unstack(x, axis=axis)
+
+        per_kernel = [unstack(kernel, 0) for kernel in kernels]
+        biases = (unstack(self.bias, 0) if self.bias is not None
+                  else [None] * self.num_models)
+        outputs = []
+        for index, x in enumerate(unstack(inputs, 1)):
+            y = convolution(x, *(k[index] for k in per_kernel))
+            if biases[index] is not None:
+                # As the stock layer adds its bias (a TensorFlow BiasAdd).
+                y = ops.add(y, ops.reshape(biases[index],
+                                           (1,) * (self.rank + 1) + (-1,)))
+            outputs.append(y)
+        if self.num_models == 1:
+            return ops.expand_dims(outputs[0], 1)
+        return ops.stack(outputs, axis=1)
+
+    def _add_folded_bias(self, outputs):
+        """Adds the bias to outputs folded as `[batch, *spatial, B * F]`:
+        model `b`'s bias lies on its own channels, so the `[B, F]` bias
+        flattened is one stock bias."""
+        if self.bias is None:
+            return outputs
+        return ops.add(outputs, ops.reshape(
+            self.bias, (1,) * (self.rank + 1) + (-1,)))
+
+    def _activate(self, outputs):
         if self.activation is not None:
             outputs = self.activation(outputs)
         return outputs
@@ -424,16 +477,15 @@ class FusedBaseConv(_FusedConvolution):
         if _uses_grouped_kernel(self.implementation):
             # Model b's input channels form groups b*g .. b*g + g - 1 and
             # meet exactly its filters: one convolution, B * groups groups.
-            outputs = _unfold(ops.conv(
+            outputs = _unfold(self._add_folded_bias(ops.conv(
                 _fold(inputs, self.num_models),
-                _models_into_axis(self.kernel, -1), **arguments),
+                _models_into_axis(self.kernel, -1), **arguments)),
                 self.num_models)
         else:
-            kernel = self.kernel
-            outputs = ops.stack([
-                ops.conv(inputs[:, b], kernel[b], **arguments)
-                for b in range(self.num_models)], axis=1)
-        return self._add_bias_and_activate(outputs)
+            outputs = self._per_model(
+                lambda x, kernel: ops.conv(x, kernel, **arguments),
+                inputs, self.kernel)
+        return self._activate(outputs)
 
     def compute_output_shape(self, input_shape):
         return self._fused_shape(compute_conv_output_shape(
@@ -656,18 +708,16 @@ class FusedBaseConvTranspose(_FusedConvolution):
 
     def call(self, inputs):
         if _uses_grouped_kernel(self.implementation):
-            outputs = _unfold(_xla(
+            outputs = _unfold(self._add_folded_bias(_xla(
                 self._grouped_transpose, _fold(inputs, self.num_models),
-                _models_into_axis(self.kernel, -1)), self.num_models)
+                _models_into_axis(self.kernel, -1))), self.num_models)
         else:
-            kernel = self.kernel
-            outputs = ops.stack([
-                ops.conv_transpose(
-                    inputs[:, b], kernel[b],
-                    output_padding=self.output_padding,
-                    **self._conv_arguments())
-                for b in range(self.num_models)], axis=1)
-        return self._add_bias_and_activate(outputs)
+            outputs = self._per_model(
+                lambda x, kernel: ops.conv_transpose(
+                    x, kernel, output_padding=self.output_padding,
+                    **self._conv_arguments()),
+                inputs, self.kernel)
+        return self._activate(outputs)
 
     def _grouped_transpose(self, inputs, kernel):
         """`[batch, *spatial, B * C]` and `[*k, F, B * C]` ->
@@ -893,7 +943,8 @@ class FusedBaseDepthwiseConv(_FusedConvolution):
         outputs = ops.depthwise_conv(
             _fold(inputs, self.num_models),
             _models_into_axis(self.kernel, -2), **self._conv_arguments())
-        return self._add_bias_and_activate(_unfold(outputs, self.num_models))
+        return self._activate(_unfold(self._add_folded_bias(outputs),
+                                      self.num_models))
 
     def compute_output_shape(self, input_shape):
         return self._fused_shape(compute_conv_output_shape(
@@ -1072,6 +1123,13 @@ class FusedBaseSeparableConv(_FusedConvolution):
         self._add_bias(self.filters)
 
     def call(self, inputs):
+        if not runs_on_accelerator():
+            # On CPU the stock separable convolution of each model costs
+            # no more than the folded form and needs no transposes.
+            return self._activate(self._per_model(
+                lambda x, depthwise, pointwise: ops.separable_conv(
+                    x, depthwise, pointwise, **self._conv_arguments()),
+                inputs, self.depthwise_kernel, self.pointwise_kernel))
         depthwise = ops.depthwise_conv(
             _fold(inputs, self.num_models),
             _models_into_axis(self.depthwise_kernel, -2),
@@ -1086,7 +1144,12 @@ class FusedBaseSeparableConv(_FusedConvolution):
         spatial = "xyz"[:self.rank]
         outputs = ops.einsum(
             f"n{spatial}mi,mio->nm{spatial}o", depthwise, pointwise)
-        return self._add_bias_and_activate(outputs)
+        if self.bias is not None:
+            # [B, F] -> [B, 1, ..., 1, F]. `+`, not ops.add, whose TensorFlow
+            # bias_add shortcut picks the axis from the shapes alone.
+            outputs = outputs + ops.reshape(
+                self.bias, (self.num_models, *(1,) * self.rank, -1))
+        return self._activate(outputs)
 
     def compute_output_shape(self, input_shape):
         return self._fused_shape(compute_conv_output_shape(

@@ -4,12 +4,104 @@ import re
 import string
 
 import keras
+import tensorflow as tf
 from keras import ops
+from tensorflow.python.ops import control_flow_util
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
 from hftatf.validation import check_model_axis
+
+
+def compiling_with_xla():
+    """Whether the computation being traced will be compiled by XLA (inside
+    a `tf.function(jit_compile=True)`, as Keras builds for
+    `jit_compile=True`). Layers use it to pick the formulation XLA compiles
+    well, where TensorFlow's own kernels prefer another."""
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
+
+
+def per_model_matmul(inputs, kernel, bias=None):
+    """`x[:, b] @ kernel[b] + bias[b]` for every model `b`:
+    `[batch, B, ..., in]`, `[B, in, out]` and `[B, out]` (or None) ->
+    `[batch, B, ..., out]`, each row exactly the stock product of that row
+    and the model's kernel, plus its bias.
+
+    The formulation is chosen for the kernels that will run it:
+
+    * one model: the stock layer's computation on `x[:, 0]`;
+    * under XLA, one einsum (one batched matmul). Inputs with positions
+      (`[batch, B, S, in]`, `S` rows per sample and model) are never an
+      ellipsis einsum, whose TensorFlow gradient materialises one product
+      per position before summing;
+    * for TensorFlow's own kernels, inputs `[batch, B, in]`: one batched
+      matmul between explicit transposes (its einsum kernel does the same
+      transposes, more slowly);
+    * for TensorFlow's own kernels, inputs with positions: a broadcasting
+      batched matmul (`B x batch` products `[S, in] @ [in, out]`, no
+      copies, but a kernel gradient of `batch x in x out` per model) where
+      that gradient is smaller than the activations, `in * out <= S * (in +
+      out)`; else each model's stock product on its own slice (one
+      `unstack` and one `stack` of the activations).
+    """
+    num_models, size_in, size_out = kernel.shape
+    if num_models == 1:
+        # TensorFlow's oneDNN batched matmul also crashes on CPU when every
+        # batch axis of the kernel broadcasts, as `[1, 1, in, out]` would.
+        outputs = ops.matmul(ops.squeeze(inputs, 1), kernel[0])
+        if bias is not None:
+            outputs = ops.add(outputs, bias[0])
+        return ops.expand_dims(outputs, 1)
+    xla = compiling_with_xla()
+    if len(inputs.shape) == 3:
+        if xla:
+            outputs = ops.einsum("bmi,mio->bmo", inputs, kernel)
+        else:
+            outputs = ops.transpose(ops.matmul(
+                ops.transpose(inputs, (1, 0, 2)), kernel), (1, 0, 2))
+        return outputs if bias is None else add_per_model(outputs, bias)
+    shape = ops.shape(inputs)
+    rows = ops.reshape(inputs, (shape[0], num_models, -1, size_in))
+    positions = rows.shape[2]
+    if xla:
+        outputs = ops.einsum("bmsi,mio->bmso", rows, kernel)
+    elif positions is not None and (
+            size_in * size_out <= positions * (size_in + size_out)):
+        outputs = ops.matmul(rows, ops.expand_dims(kernel, 0))
+    else:
+        biases = [None] * num_models if bias is None else ops.unstack(bias)
+        products = []
+        for x, weights, offset in zip(ops.unstack(rows, axis=1),
+                                      ops.unstack(kernel), biases):
+            product = ops.matmul(x, weights)
+            # As the stock layer adds its bias (a TensorFlow BiasAdd).
+            products.append(product if offset is None
+                            else ops.add(product, offset))
+        outputs = ops.stack(products, axis=1)
+        bias = None
+    if bias is not None:
+        outputs = add_per_model(outputs, bias)
+    return ops.reshape(outputs, (*shape[:-1], size_out))
+
+
+def add_per_model(outputs, values):
+    """`outputs` (`[batch, B, ..., n]`) plus each model's `values[b]`
+    (`[B, n]`), as a stock layer adds its bias to every position.
+
+    The values are laid out as one sample (`[B, ..., n]`) first: a
+    broadcast over the batch axis alone is one fast row broadcast for
+    TensorFlow's CPU kernels, where `[B, 1, ..., 1, n]` takes the general
+    (several times slower) path.
+    """
+    inner = (1,) * (len(outputs.shape) - 3)
+    values = ops.reshape(values, (values.shape[0], *inner, values.shape[-1]))
+    if inner:
+        values = ops.broadcast_to(values, ops.shape(outputs)[1:])
+    # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the axis
+    # from the shapes alone.
+    return outputs + values
 
 
 @hftatf_export
@@ -108,14 +200,7 @@ class FusedDense(FusedLayer):
             )
 
     def call(self, inputs, training=None):
-        outputs = ops.einsum("bm...i,mio->bm...o", inputs, self.kernel)
-        if self.bias is not None:
-            # [B, units] -> [B, 1, ..., 1, units], broadcast over batch. `+`,
-            # not ops.add, whose TensorFlow bias_add shortcut picks the axis
-            # from the shapes alone.
-            inner = (1,) * (len(outputs.shape) - 3)
-            outputs = outputs + ops.reshape(
-                self.bias, (self.num_models, *inner, self.units))
+        outputs = per_model_matmul(inputs, self.kernel, self.bias)
         if self.activation is not None:
             outputs = self.activation(outputs)
         return outputs

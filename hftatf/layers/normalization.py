@@ -21,6 +21,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
+from hftatf.layers.dense import compiling_with_xla
 from hftatf.validation import check_model_axis
 
 __all__ = [
@@ -66,6 +67,66 @@ def to_model_broadcast(weight, stock_broadcast_shape):
 def from_model_broadcast(statistic, weight_shape):
     """Inverse of `to_model_broadcast`: keep-dims statistics -> `[B, *w]`."""
     return ops.reshape(ops.moveaxis(statistic, 1, 0), (-1, *weight_shape))
+
+
+def _rows(inputs, num_models):
+    """`[batch, B, *s, C]` -> `[batch, B, S, C]`, `S` = the product of `s`
+    (1 when there is none): a reshape, no copy."""
+    shape = ops.shape(inputs)
+    return ops.reshape(inputs, (shape[0], num_models, -1, shape[-1]))
+
+
+def _stock_rows(inputs):
+    """One model's `[batch, 1, *s, C]` -> `[batch * S, C]`: the stock
+    layer's reductions and broadcasts, a reshape away."""
+    return ops.reshape(inputs, (-1, ops.shape(inputs)[-1]))
+
+
+def _per_sample(statistic, rows):
+    """`[B, C]` -> `[B, S, C]`, repeated over the `S` positions of `rows`
+    (`[batch, B, S, C]`).
+
+    Combined with `rows`, the result broadcasts over the batch axis only,
+    which TensorFlow runs as one row broadcast; a `[1, B, 1, C]` operand
+    takes its general (several times slower) broadcasting path on CPU.
+    """
+    statistic = ops.cast(statistic, rows.dtype)
+    return ops.broadcast_to(ops.expand_dims(statistic, 1),
+                            ops.shape(rows)[1:])
+
+
+def _channels_last_moments(inputs, num_models):
+    """Each model's mean and variance over the batch and every axis but the
+    model and (last) channel axes, `[B, C]` each, as `tf.nn.moments`
+    computes them: the mean, then the mean squared difference from it.
+
+    Sums are taken over the batch first, then over the positions of a
+    sample: one reduction over axes `(0, 2, ...)` of `[batch, B, ..., C]`
+    is several times slower for TensorFlow's CPU kernels. For those, the
+    sum over the batch is a product with a row of ones (their reduction of
+    a leading axis is slower still); XLA compiles the plain sums well.
+    """
+    if num_models == 1:
+        mean, variance = ops.moments(_stock_rows(inputs), axes=[0])
+        return mean[None], variance[None]
+    rows = _rows(inputs, num_models)
+    shape = ops.shape(rows)
+    count = ops.cast(shape[0] * shape[2], rows.dtype)
+    xla = compiling_with_xla()
+
+    def mean(values):
+        if xla:
+            over_batch = ops.sum(values, axis=0)
+        else:
+            ones = ops.ones((1, shape[0]), values.dtype)
+            over_batch = ops.reshape(
+                ops.matmul(ones, ops.reshape(values, (shape[0], -1))),
+                shape[1:])
+        return ops.sum(over_batch, axis=1) / count
+
+    average = mean(rows)
+    centred = rows - _per_sample(ops.stop_gradient(average), rows)
+    return average, mean(ops.square(centred))
 
 
 class AffineNormalization(FusedLayer):
@@ -361,6 +422,9 @@ class FusedBatchNormalization(AffineNormalization):
     def _broadcast(self, value):
         return to_model_broadcast(value, self._stock_broadcast_shape)
 
+    def _channels_last(self, inputs):
+        return self._channel_axis == len(inputs.shape) - 1
+
     def _normalize(self, inputs, mean, variance, gamma, beta):
         # The arithmetic of `tf.nn.batch_normalization`, which the stock
         # layer calls, on `[B, C]` statistics.
@@ -368,11 +432,22 @@ class FusedBatchNormalization(AffineNormalization):
         if gamma is not None:
             inv = inv * gamma
         shift = -mean * inv if beta is None else beta - mean * inv
+        if self._channels_last(inputs) and self.num_models == 1:
+            outputs = _stock_rows(inputs) * inv[0] + shift[0]
+            return ops.reshape(outputs, ops.shape(inputs))
+        if self._channels_last(inputs):
+            rows = _rows(inputs, self.num_models)
+            outputs = (rows * _per_sample(inv, rows)
+                       + _per_sample(shift, rows))
+            return ops.reshape(outputs, ops.shape(inputs))
         return inputs * self._broadcast(inv) + self._broadcast(shift)
 
     def _moments(self, inputs, mask):
         """Each model's batch mean and variance, `[B, C]` each."""
         axes = self._reduction_axes
+        if mask is None and not self.synchronized and self._channels_last(
+                inputs):
+            return _channels_last_moments(inputs, self.num_models)
         if mask is None:
             mean, variance = ops.moments(
                 inputs, axes=axes, keepdims=True,

@@ -1,0 +1,186 @@
+"""Every formulation a fused layer may choose computes the stock layer.
+
+Fused layers pick their computation by speed: per shape (`FusedDense` on
+inputs with positions takes a broadcasting matmul or an einsum), under XLA
+or not, per device (convolutions per model on a CPU, folded into the
+channel axis on a GPU or TPU), and for one model (the stock product). Each
+choice is checked here against B stock layers, in its own conditions:
+eagerly, inside `tf.function(jit_compile=True)`, and with the accelerator
+rule forced on a CPU.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from testing import compare_layer_with_stock, randomize_weights, stacked_weights
+
+from hftatf.layers import (
+    FusedBatchNormalization,
+    FusedConv2D,
+    FusedDense,
+    FusedDepthwiseConv2D,
+    FusedSeparableConv2D,
+    convolutional,
+    dense,
+)
+
+BATCH = 4
+
+
+class UnderXLA:
+    """Calls `layer` inside `tf.function(jit_compile=True)` (a fresh trace
+    per argument structure), as Keras runs a model compiled with XLA; every
+    other attribute is the layer's."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.compiled = tf.function(layer, jit_compile=True)
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.layer, name)
+
+
+def twins(stock_class, fused_class, per_model_shape, num_models, rng,
+          **kwargs):
+    """B stock layers with random weights and the fused layer holding them."""
+    stock = []
+    for _ in range(num_models):
+        layer = stock_class(**kwargs)
+        layer.build((BATCH, *per_model_shape))
+        randomize_weights(layer, rng)
+        stock.append(layer)
+    fused = fused_class(num_models, **kwargs)
+    fused.build((BATCH, num_models, *per_model_shape))
+    fused.set_weights(stacked_weights(stock))
+    return stock, fused
+
+
+def check(stock, fused, per_model_shape, xla, rng, **call_kwargs):
+    x = rng.standard_normal(
+        (BATCH, len(stock), *per_model_shape)).astype("float32")
+    compare_layer_with_stock(stock, UnderXLA(fused) if xla else fused, [x],
+                             rng, **call_kwargs)
+
+
+# -- FusedDense --------------------------------------------------------------
+
+# (per-model input shape, units): without XLA, inputs with positions take
+# the broadcasting matmul if `in * out <= S * (in + out)`, per-model products
+# otherwise; under XLA, an einsum.
+DENSE_CASES = {
+    "vector": ((5,), 3),
+    "positions-matmul": ((16, 3), 4),
+    "positions-per-model": ((2, 8), 8),
+    "rank4": ((3, 2, 6), 5),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DENSE_CASES))
+@pytest.mark.parametrize("num_models", [1, 3])
+@pytest.mark.parametrize("xla", [False, True], ids=["eager", "xla"])
+def test_dense_formulations_match_stock(case, num_models, xla):
+    shape, units = DENSE_CASES[case]
+    rng = np.random.default_rng(0)
+    stock, fused = twins(keras.layers.Dense, FusedDense, shape, num_models,
+                         rng, units=units, activation="tanh")
+    check(stock, fused, shape, xla, rng)
+
+
+def test_dense_rule_follows_the_sizes():
+    op_types = []
+    for shape, kernel_shape in (((BATCH, 2, 16, 3), (2, 3, 4)),
+                                ((BATCH, 2, 2, 8), (2, 8, 8))):
+        graph = tf.function(lambda x, k: dense.per_model_matmul(x, k))
+        concrete = graph.get_concrete_function(
+            tf.TensorSpec(shape), tf.TensorSpec(kernel_shape))
+        op_types.append({op.type for op in concrete.graph.get_operations()})
+    # Many positions: one broadcasting batched matmul, no copies.
+    assert "BatchMatMulV2" in op_types[0] and "Unpack" not in op_types[0]
+    # Few: each model's own product, on slices from one unstack.
+    assert "Unpack" in op_types[1] and "Einsum" not in op_types[1]
+
+
+def test_compiling_with_xla_tells_the_trace():
+    seen = []
+
+    def record(x):
+        seen.append(dense.compiling_with_xla())
+        return x
+
+    tf.function(record, jit_compile=True)(tf.zeros(()))
+    tf.function(record)(tf.zeros(()))
+    record(tf.zeros(()))
+    assert seen == [True, False, False]
+
+
+# -- FusedBatchNormalization -------------------------------------------------
+
+@pytest.mark.parametrize("shape", [(6,), (5, 4), (3, 3, 4)],
+                         ids=["rank2", "rank3", "rank4"])
+@pytest.mark.parametrize("num_models", [1, 3])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("xla", [False, True], ids=["eager", "xla"])
+def test_batch_normalization_matches_stock(shape, num_models, training, xla):
+    rng = np.random.default_rng(1)
+    stock, fused = twins(keras.layers.BatchNormalization,
+                         FusedBatchNormalization, shape, num_models, rng,
+                         momentum=0.8)
+    check(stock, fused, shape, xla, rng, training=training)
+
+
+def test_batch_normalization_on_a_middle_axis_matches_stock():
+    rng = np.random.default_rng(2)
+    stock, fused = twins(keras.layers.BatchNormalization,
+                         FusedBatchNormalization, (4, 3), 3, rng, axis=1)
+    check(stock, fused, (4, 3), False, rng, training=True)
+
+
+# -- Convolutions --------------------------------------------------------------
+
+CONV_CASES = {
+    "conv": (keras.layers.Conv2D, FusedConv2D,
+             dict(filters=3, kernel_size=3, padding="same",
+                  activation="relu")),
+    "depthwise": (keras.layers.DepthwiseConv2D, FusedDepthwiseConv2D,
+                  dict(kernel_size=3, depth_multiplier=2)),
+    "separable": (keras.layers.SeparableConv2D, FusedSeparableConv2D,
+                  dict(filters=3, kernel_size=3, strides=2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+@pytest.mark.parametrize("num_models", [1, 3])
+@pytest.mark.parametrize("xla", [False, True], ids=["eager", "xla"])
+def test_cpu_convolutions_match_stock(case, num_models, xla):
+    stock_class, fused_class, kwargs = CONV_CASES[case]
+    rng = np.random.default_rng(3)
+    stock, fused = twins(stock_class, fused_class, (6, 6, 2), num_models,
+                         rng, **kwargs)
+    check(stock, fused, (6, 6, 2), xla, rng)
+
+
+@pytest.mark.parametrize("case", ["depthwise", "separable"])
+def test_accelerator_convolutions_match_stock(case, monkeypatch):
+    # The folded forms GPUs and TPUs run, computed here by XLA on the CPU.
+    monkeypatch.setattr(convolutional, "runs_on_accelerator", lambda: True)
+    stock_class, fused_class, kwargs = CONV_CASES[case]
+    rng = np.random.default_rng(4)
+    stock, fused = twins(stock_class, fused_class, (6, 6, 2), 3, rng,
+                         **kwargs)
+    check(stock, fused, (6, 6, 2), True, rng)
+
+
+def test_per_model_convolution_slices_with_one_unstack():
+    # One Unpack of the input, none of the B strided slices whose gradients
+    # would each be the size of the whole input.
+    fused = FusedConv2D(3, 2, 3, implementation="per_model")
+    fused.build((BATCH, 3, 5, 5, 2))
+    concrete = tf.function(fused).get_concrete_function(
+        tf.TensorSpec((BATCH, 3, 5, 5, 2)))
+    op_types = [op.type for op in concrete.graph.get_operations()]
+    assert op_types.count("Unpack") == 3  # the input, kernel and bias
+    assert "StridedSlice" not in op_types
