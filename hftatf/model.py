@@ -22,6 +22,7 @@ from keras.src.trainers.trainer import model_supports_jit
 
 from hftatf import optimizers as fused_optimizers
 from hftatf.api import hftatf_export
+from hftatf.layers import convolutional
 from hftatf.layers.base import broadcast_to_models
 from hftatf.validation import check_num_models
 
@@ -320,8 +321,10 @@ class FusedModel(keras.Model):
                 model gets its own loss and its own copy of every metric.
             run_eagerly, steps_per_execution: as in Keras.
             jit_compile: as in Keras, except that `"auto"` turns XLA on
-                wherever the model supports it, CPU included: fused arrays
-                gain from it there too. Under a distribution strategy, where
+                wherever the model supports it, CPU included (fused arrays
+                gain from it there too), but for models with convolutions on
+                a CPU (XLA's CPU convolutions are slower than TensorFlow's
+                and slow to compile). Under a distribution strategy, where
                 Keras compiles no step with XLA, `"auto"` and True compile
                 each replica's forward and backward pass (on TPU the whole
                 replica step is compiled anyway).
@@ -410,7 +413,16 @@ class FusedModel(keras.Model):
     def _resolve_auto_jit_compile(self):
         if self._distribute_strategy:
             return False
-        return model_supports_jit(self)
+        if not model_supports_jit(self):
+            return False
+        if any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU")):
+            return True
+        # On CPUs, XLA fuses an array's elementwise work and batched matmuls
+        # (faster), but its convolutions are slower than TensorFlow's oneDNN
+        # kernels, and it takes minutes to compile a deep convolutional
+        # network: see benchmarks/README.md.
+        return not any(convolutional.is_convolution(layer)
+                       for layer in self._flatten_layers())
 
     # -- losses -------------------------------------------------------------
 

@@ -186,6 +186,23 @@ def test_steps_per_execution_and_jit_compile(steps_per_execution,
         assert_close(history[f"accuracy_{b}"], stock[b]["accuracy"])
 
 
+@pytest.mark.parametrize("layer, expected", [
+    (lambda: keras.layers.Dense(4), True),
+    (lambda: keras.layers.Conv1D(4, 3), False),
+    (lambda: keras.layers.SeparableConv1D(4, 3), False),
+])
+def test_auto_jit_compile_on_cpu_skips_convolutions(layer, expected):
+    # On this CPU-only machine: XLA for dense arrays, TensorFlow's kernels
+    # where there are convolutions (the rule in FusedModel.compile).
+    inputs = keras.Input((8, 3))
+    model = keras.Model(inputs, keras.layers.Flatten()(layer()(inputs)))
+    array = hftatf.fuse(model, 2)
+    array.compile("sgd", loss="mse", jit_compile="auto")
+    assert array.jit_compile is expected
+    array.compile("sgd", loss="mse", jit_compile=True)
+    assert array.jit_compile is True
+
+
 def test_predict_gives_every_models_outputs():
     x, _, _ = data(9)
     array = hftatf.fuse(two_headed(), B)
