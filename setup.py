@@ -39,6 +39,7 @@ setuptools.setup(
     extras_require={
         "data": ["scikit-learn>=1.4"],
         "plot": ["matplotlib>=3.8"],
+        "bench": ["matplotlib>=3.8"],
         # `hftatf-train --config_file` reads YAML with it.
         "tpu": ["pyyaml>=5.1"],
         # `hftatf.tuning`: keras-tuner tuners that train arrays.

@@ -70,9 +70,8 @@ def test_same_network_as_keras_applications(name, alpha):
     assert_close(model(x), reference(x))
 
 
-@pytest.mark.parametrize("name, channels", [("v2", 1280), ("v3_small", 288),
-                                            ("v3_large", 480)])
-@pytest.mark.parametrize("stem_strides, side", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("name, channels, stem_strides, side", [
+    ("v2", 1280, 2, 1), ("v3_small", 288, 1, 2), ("v3_large", 480, 1, 2)])
 def test_32x32_inputs(name, channels, stem_strides, side):
     model = tiny(name, 32, alpha=0.5, stem_strides=stem_strides)
     assert model.get_layer("top_act").output.shape == (None, side, side,
@@ -126,10 +125,12 @@ def test_bad_arguments_are_refused(kwargs, match):
 # In training mode, the deep 1x1 feature maps of these tiny networks have
 # near-constant channels, whose batch normalisation amplifies float32
 # rounding: two stock runs that differ only in summation order (XLA or not)
-# differ by up to 2.2e-4 after one MobileNetV2 step, and 2.4e-4 after two
-# MobileNetV3-Large steps. Such comparisons use this tolerance; every model
-# still moves by more than 10x it.
-DEEP_TOLERANCE = 3e-4
+# differ by up to 2.2e-4 after one MobileNetV2 step (about 2% of the step),
+# and by 2.4e-4 after two MobileNetV3-Large steps. Those comparisons check
+# each weight's change to this fraction of the model's largest change: a
+# neighbour's learning rate, a wrong gradient or missing statistics updates
+# differ by far more.
+UPDATE_RTOL = 0.1
 
 
 def test_v2_array_trains_as_stock_models_with_frozen_statistics():
@@ -145,12 +146,13 @@ def test_v2_array_trains_as_stock_models_with_frozen_statistics():
 
 
 def test_v2_array_trains_as_stock_models_in_training_mode():
-    # One step on a batch of 16 (see DEEP_TOLERANCE): gradients through each
-    # model's batch statistics, and its moving statistics.
+    # One step on a batch of 16 (see UPDATE_RTOL): gradients through each
+    # model's batch statistics, and its moving statistics. Even the loss at
+    # the start, in training mode, differs from stock by ~2e-5 (relative).
     x, y = images()
     assert_fit_matches_stock(tiny("v2"), x, y, [1e-4, 7e-5, 4e-5],
-                             batch_size=16, atol=DEEP_TOLERANCE,
-                             rtol=DEEP_TOLERANCE)
+                             batch_size=16, update_rtol=UPDATE_RTOL,
+                             loss_rtol=1e-4)
 
 
 def test_v3_small_array_trains_as_stock_models():
@@ -161,7 +163,7 @@ def test_v3_small_array_trains_as_stock_models():
 def test_v3_large_array_trains_as_stock_models():
     x, y = images()
     assert_fit_matches_stock(tiny("v3_large"), x, y, [0.005, 0.002, 0.001],
-                             atol=DEEP_TOLERANCE, rtol=DEEP_TOLERANCE)
+                             update_rtol=UPDATE_RTOL)
 
 
 def test_dropout_draws_per_model():
