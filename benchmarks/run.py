@@ -1,0 +1,474 @@
+"""Training throughput: an hftatf array of B models against the same B
+models trained by stock Keras, one after another and all at once.
+
+For every model (a zoo recipe, `hftatf.models.recipes.names()`) and every
+array size B it times three ways of training B models on the same data:
+
+  * serial: B stock Keras models trained with stock `fit` one after
+    another, with the stock `jit_compile` setting that is faster on this
+    device for this model (both are measured first, by a probe);
+  * concurrent: B processes, each training one stock model, started
+    together once all have compiled;
+  * fused: one array of B (`hftatf.fuse(model, B)`, the fused form of the
+    recipe's optimizer), with the faster `jit_compile` setting, measured
+    like the stock one (`--fused_jit auto` takes hftatf's default).
+
+Every mode does the same global work: `epochs` x `steps` steps of
+`batch_size` samples for each of the B models, after untimed warm-up steps
+(tracing and compilation). Each measurement runs in a fresh process, so its
+peak memory (RSS; summed over the processes of the concurrent mode) is its
+own. With `--repeats R` every measurement is repeated R times, the order of
+the modes rotating, and the speedups are the medians of the ratios of
+measurements made side by side.
+
+    python -m benchmarks.run --quick
+    python -m benchmarks.run --model mlp,pointnet --num_models 1,2,4,8,16
+    python -m benchmarks.run --model all --repeats 3
+
+It prints one row per model, mode and B: throughput in model-samples per
+second, speedup over serial (median and range over repeats), peak memory,
+and achieved FLOP/s (the FLOPs XLA counts in one stock training step, times
+the steps all B models took, per second) against the matmul peak measured
+on this device in the same run. The rows go to `<output_dir>/results.csv`,
+and speedup-vs-B curves to `<output_dir>/speedup_<model>.png` and
+`speedup.png` when matplotlib is installed.
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import worker
+from benchmarks.measure import summarize
+from benchmarks.workloads import parse_overrides
+
+MODES = ("serial", "concurrent", "fused")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# The columns of results.csv.
+COLUMNS = (
+    "model", "mode", "num_models", "batch_size", "steps", "epochs",
+    "repeats", "jit_compile", "samples_per_s", "samples_per_s_min",
+    "samples_per_s_max", "speedup", "speedup_min", "speedup_max",
+    "peak_rss_mb", "step_gflop", "gflop_per_s", "matmul_peak_gflop_per_s",
+    "percent_of_peak", "load_average",
+)
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", default="mlp",
+                        help="comma list of zoo recipe names, or 'all'")
+    parser.add_argument("--num_models", default=None,
+                        help="comma list of array sizes B (default "
+                             "1,2,4,8,16; 1,2,4 with --quick)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma list of: " + ", ".join(MODES))
+    parser.add_argument("--batch_size", type=int, default=64,
+                        help="samples per step of each model")
+    parser.add_argument("--steps", default="auto",
+                        help="timed steps per epoch; 'auto': as many as "
+                             "make a stock model's epoch last "
+                             "--epoch_seconds")
+    parser.add_argument("--epoch_seconds", type=float, default=2.0,
+                        help="target of --steps=auto")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="timed epochs (the median epoch is used)")
+    parser.add_argument("--warmup_steps", type=int, default=3,
+                        help="untimed steps before the timed epochs")
+    parser.add_argument("--data_batches", type=int, default=8,
+                        help="distinct batches cycled through")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measurements of every mode and B")
+    parser.add_argument("--stock_jit", choices=("best", "true", "false"),
+                        default="best",
+                        help="jit_compile of stock models; 'best' measures "
+                             "both and keeps the faster")
+    parser.add_argument("--fused_jit",
+                        choices=("best", "auto", "true", "false"),
+                        default="best",
+                        help="jit_compile of the array; 'best' measures "
+                             "both (each in its own process) and keeps the "
+                             "faster, as for the stock models; 'auto' is "
+                             "hftatf's default")
+    parser.add_argument("--steps_per_execution", type=int, default=1,
+                        help="of the array")
+    parser.add_argument("--stock_steps_per_execution", type=int, default=1,
+                        help="of the stock models")
+    parser.add_argument("--model_args", default="",
+                        help="builder arguments over the recipe's, as "
+                             "name=value pairs (tuples as (a;b))")
+    parser.add_argument("--data_args", default="",
+                        help="data arguments over the recipe's")
+    parser.add_argument("--output_dir", default="benchmark_results",
+                        help="where results.csv and the plots go")
+    parser.add_argument("--peak_size", type=int, default=2048,
+                        help="side of the matmul that measures the peak")
+    parser.add_argument("--peak_seconds", type=float, default=2.0,
+                        help="time spent measuring the matmul peak")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=3600,
+                        help="seconds allowed to one measurement")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small run: short epochs, and B in 1,2,4 "
+                             "unless --num_models says otherwise")
+    args = parser.parse_args(argv)
+    if args.num_models is None:
+        args.num_models = "1,2,4" if args.quick else "1,2,4,8,16"
+    if args.quick:
+        args.epochs, args.warmup_steps, args.epoch_seconds = 2, 2, 0.5
+    if args.model == "all":
+        from hftatf.models import recipes
+
+        args.model = ",".join(recipes.names())
+    args.models = [m for m in args.model.split(",") if m]
+    args.num_models = [int(b) for b in args.num_models.split(",") if b]
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown --modes {unknown}; known: {list(MODES)}")
+    if any(b < 1 for b in args.num_models):
+        parser.error(f"--num_models must be positive: {args.num_models}")
+    if args.steps != "auto":
+        try:
+            args.steps = int(args.steps)
+        except ValueError:
+            parser.error(f"--steps must be 'auto' or an integer; received "
+                         f"{args.steps!r}")
+    # Whole executions only: a shorter last one would trace anew.
+    args.execution = math.lcm(args.steps_per_execution,
+                              args.stock_steps_per_execution)
+    args.warmup_steps = _whole(args.warmup_steps, args.execution)
+    if args.steps != "auto":
+        args.steps = _whole(args.steps, args.execution)
+    args.model_args = parse_overrides(args.model_args)
+    args.data_args = parse_overrides(args.data_args)
+    return args
+
+
+def _whole(steps, execution):
+    """`steps` rounded up to a multiple of `execution`."""
+    return max(1, -(-steps // execution)) * execution
+
+
+# -- running workers -------------------------------------------------------
+
+
+def _command(spec):
+    return [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)]
+
+
+def _environment():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _parse_result(stdout, stderr, spec):
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(worker.RESULT_PREFIX):
+            return json.loads(line[len(worker.RESULT_PREFIX):])
+    raise RuntimeError(
+        f"Benchmark worker {spec['task']} for {spec['model']} (B="
+        f"{spec.get('num_models')}) failed:\n{stderr[-4000:]}")
+
+
+def run_worker(spec, timeout):
+    """Runs one task in a fresh process; returns its result dict."""
+    done = subprocess.run(_command(spec), capture_output=True, text=True,
+                          cwd=ROOT, env=_environment(), timeout=timeout)
+    return _parse_result(done.stdout, done.stderr, spec)
+
+
+def run_concurrent(spec, num_models, timeout):
+    """B `single` workers at once: all warm up, then all start together.
+
+    Returns the per-process results.
+    """
+    processes, logs = [], []
+    try:
+        for index in range(num_models):
+            log = tempfile.TemporaryFile(mode="w+")
+            logs.append(log)
+            processes.append(subprocess.Popen(
+                _command({**spec, "task": "single",
+                          "seed": spec["seed"] + index}),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                text=True, cwd=ROOT, env=_environment()))
+        for process, log in zip(processes, logs):
+            line = process.stdout.readline()
+            while line and line.strip() != worker.READY:
+                line = process.stdout.readline()
+            if not line:
+                log.seek(0)
+                raise RuntimeError(
+                    f"A concurrent worker for {spec['model']} exited "
+                    f"before it was ready:\n{log.read()[-4000:]}")
+        for process in processes:
+            process.stdin.write("go\n")
+            process.stdin.flush()
+        results = []
+        for process, log in zip(processes, logs):
+            stdout, _ = process.communicate(timeout=timeout)
+            log.seek(0)
+            results.append(_parse_result(stdout, log.read(), spec))
+        return results
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
+
+
+# -- one model -------------------------------------------------------------
+
+
+def _median(values):
+    return summarize(values)[0]
+
+
+def probe_model(args, name, base):
+    """Measures one stock model with and without XLA: the stock setting,
+    the step count of `--steps auto`, FLOPs and the matmul peak."""
+    print(f"[{name}] probing the stock model (jit_compile off and on)...",
+          flush=True)
+    probe_steps = (args.steps if args.steps != "auto"
+                   else _whole(10, args.execution))
+    settings = ([False, True] if args.stock_jit == "best"
+                else [args.stock_jit == "true"])
+    result = run_worker({**base, "task": "probe", "steps": probe_steps,
+                         "jit_settings": settings,
+                         "peak_size": args.peak_size,
+                         "peak_seconds": args.peak_seconds}, args.timeout)
+    seconds = {jit == "true": _median(times) / probe_steps
+               for jit, times in result["jit"].items()}
+    jit = min(seconds, key=seconds.get)
+    steps = args.steps
+    if steps == "auto":
+        steps = _whole(max(5, min(1000, round(
+            args.epoch_seconds / seconds[jit]))), args.execution)
+    timings = ", ".join(f"{1e3 * s:.1f} ms with jit_compile={j}"
+                        for j, s in seconds.items())
+    print(f"[{name}] stock step: {timings}; serial uses jit_compile={jit}; "
+          f"{steps} steps per epoch", flush=True)
+    return {"jit_compile": jit, "steps": steps,
+            "step_flops": result["step_flops"],
+            "matmul_peak_flops": result["matmul_peak_flops"],
+            "stock_seconds": seconds}
+
+
+def measure_mode(args, mode, num_models, spec):
+    """`(seconds per round, peak RSS MiB, jit)`: a round is `steps` steps
+    of each of the B models."""
+    if mode == "serial":
+        result = run_worker({**spec, "task": "serial",
+                             "num_models": num_models}, args.timeout)
+        seconds = sum(_median(epochs)
+                      for epochs in result["model_epoch_seconds"])
+        return seconds, result["peak_rss_mb"], spec["jit_compile"]
+    if mode == "concurrent":
+        results = run_concurrent(spec, num_models, args.timeout)
+        wall = (max(r["end"] for r in results)
+                - min(r["start"] for r in results))
+        return (wall / spec["epochs"], sum(r["peak_rss_mb"] for r in results),
+                spec["jit_compile"])
+    settings = ([False, True] if args.fused_jit == "best"
+                else [spec["fused_jit_compile"]])
+    best, timeout = None, args.timeout
+    for jit in settings:
+        started = time.perf_counter()
+        try:
+            result = run_worker({**spec, "task": "fused",
+                                 "num_models": num_models,
+                                 "fused_jit_compile": jit}, timeout)
+        except subprocess.TimeoutExpired:
+            # Far slower than the setting already measured: not the best.
+            print(f"[{spec['model']}] B={num_models} fused with "
+                  f"jit_compile={jit}: stopped after {timeout:.0f} s",
+                  flush=True)
+            continue
+        seconds = _median(result["epoch_seconds"])
+        if best is None or seconds < best[0]:
+            best = (seconds, result["peak_rss_mb"], result["jit_compile"])
+        # The other setting gets a few times as long as this one took.
+        timeout = min(args.timeout, max(
+            120.0, 3 * (time.perf_counter() - started)))
+    return best
+
+
+def benchmark_model(args, name):
+    """Every mode at every B for the zoo model `name`; returns CSV rows."""
+    base = {"model": name, "batch_size": args.batch_size,
+            "model_args": args.model_args, "data_args": args.data_args,
+            "epochs": args.epochs, "warmup_steps": args.warmup_steps,
+            "data_batches": args.data_batches, "seed": args.seed,
+            "fused_jit_compile": {"auto": "auto", "true": True,
+                                  "false": False}.get(args.fused_jit),
+            "steps_per_execution": args.steps_per_execution,
+            "stock_steps_per_execution": args.stock_steps_per_execution}
+    probe = probe_model(args, name, base)
+    spec = {**base, "steps": probe["steps"],
+            "jit_compile": probe["jit_compile"]}
+    work = spec["steps"] * args.batch_size
+    rows = []
+    for num_models in args.num_models:
+        measured = {mode: [] for mode in args.modes}
+        for repeat in range(args.repeats):
+            shift = repeat % len(args.modes)
+            for mode in args.modes[shift:] + args.modes[:shift]:
+                seconds, rss, jit = measure_mode(args, mode, num_models, spec)
+                measured[mode].append((num_models * work / seconds, rss, jit,
+                                       os.getloadavg()[0]))
+                print(f"[{name}] B={num_models:<3} {mode:<10} "
+                      f"{num_models * work / seconds:10.1f} samples/s  "
+                      f"{rss:8.0f} MiB", flush=True)
+        for mode, values in measured.items():
+            rows.append(_row(args, name, mode, num_models, values,
+                             measured.get("serial"), probe))
+    return rows
+
+
+def _row(args, name, mode, num_models, values, serial, probe):
+    rates = [v[0] for v in values]
+    rate, low, high = summarize(rates)
+    row = {"model": name, "mode": mode, "num_models": num_models,
+           "batch_size": args.batch_size, "steps": probe["steps"],
+           "epochs": args.epochs, "repeats": len(values),
+           "jit_compile": values[0][2], "samples_per_s": rate,
+           "samples_per_s_min": low, "samples_per_s_max": high,
+           "peak_rss_mb": _median([v[1] for v in values]),
+           "load_average": _median([v[3] for v in values])}
+    if serial:
+        ratios = [r / s[0] for r, s in zip(rates, serial)]
+        row["speedup"], row["speedup_min"], row["speedup_max"] = summarize(
+            ratios)
+    flops, peak = probe["step_flops"], probe["matmul_peak_flops"]
+    row["matmul_peak_gflop_per_s"] = peak / 1e9
+    if flops:
+        achieved = rate / args.batch_size * flops
+        row.update(step_gflop=flops / 1e9, gflop_per_s=achieved / 1e9,
+                   percent_of_peak=100.0 * achieved / peak)
+    return row
+
+
+# -- reporting -------------------------------------------------------------
+
+
+def _format(value, digits=1):
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def print_table(rows):
+    header = (f"{'model':<16}{'mode':<11}{'B':>4}{'samples/s':>12}"
+              f"{'speedup':>9}{'range':>13}{'RSS MiB':>9}{'GFLOP/s':>9}"
+              f"{'% peak':>8}")
+    print(header)
+    for row in rows:
+        spread = ""
+        if row.get("speedup_min") is not None and row["repeats"] > 1:
+            spread = (f"{row['speedup_min']:.2f}-{row['speedup_max']:.2f}")
+        print(f"{row['model']:<16}{row['mode']:<11}{row['num_models']:>4}"
+              f"{_format(row['samples_per_s'], 0):>12}"
+              f"{_format(row.get('speedup'), 2):>9}{spread:>13}"
+              f"{_format(row['peak_rss_mb'], 0):>9}"
+              f"{_format(row.get('gflop_per_s'), 2):>9}"
+              f"{_format(row.get('percent_of_peak'), 1):>8}")
+
+
+def write_csv(rows, path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: row.get(key, "") for key in COLUMNS})
+
+
+def plot(rows, directory):
+    """Speedup over serial against B: one PNG per model and one of every
+    model's fused curve. Returns the files written ([] without
+    matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'hftatf[bench]'): "
+              "no plots.")
+        return []
+    written = []
+    models = sorted({r["model"] for r in rows})
+
+    def curve(axes, model, mode, **style):
+        points = sorted((r["num_models"], r["speedup"]) for r in rows
+                        if r["model"] == model and r["mode"] == mode
+                        and r.get("speedup") is not None)
+        if points:
+            axes.plot(*zip(*points), marker="o", **style)
+
+    def finish(figure, axes, title, path):
+        axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("models B")
+        axes.set_ylabel("speedup over serial stock fit")
+        axes.set_title(title)
+        axes.legend()
+        figure.tight_layout()
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        written.append(path)
+
+    for model in models:
+        figure, axes = plt.subplots(figsize=(5, 3.5))
+        for mode in ("fused", "concurrent"):
+            curve(axes, model, mode, label=mode)
+        finish(figure, axes, model, directory / f"speedup_{model}.png")
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for model in models:
+        curve(axes, model, "fused", label=model)
+    finish(figure, axes, "fused array vs serial", directory / "speedup.png")
+    return written
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    directory = pathlib.Path(args.output_dir)
+    print(f"{platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}",
+          flush=True)
+    rows = []
+    for name in args.models:
+        rows.extend(benchmark_model(args, name))
+        # Written as it goes: a long run that dies keeps what it measured.
+        write_csv(rows, directory / "results.csv")
+    print_table(rows)
+    print(f"matmul peak: {rows[0]['matmul_peak_gflop_per_s']:.1f} GFLOP/s"
+          if rows else "")
+    for path in plot(rows, directory):
+        print(f"wrote {path}")
+    print(f"wrote {directory / 'results.csv'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

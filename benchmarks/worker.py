@@ -1,0 +1,142 @@
+"""One measurement of the training benchmark, in a process of its own (so
+its peak memory is its own): `python -m benchmarks.worker SPEC_JSON`.
+
+SPEC_JSON names the `task` and the workload (`model`, `batch_size`,
+`model_args`, `data_args`), the schedule (`steps`, `epochs`,
+`warmup_steps`, `data_batches`) and what the task needs:
+
+* `probe`: one stock model trained with each `jit_settings` (XLA off, then
+  on, by default; `epochs` timed epochs each); also the FLOPs of its
+  training step and the device's matmul peak (`peak_size`,
+  `peak_seconds`). The run picks the stock setting from it.
+* `serial`: `num_models` stock models trained with `fit` one after another
+  (`jit_compile` as given).
+* `single`: one stock model, for the concurrent mode: it warms up, prints
+  `READY`, waits for a line on stdin, then trains its timed epochs.
+* `fused`: one array of `num_models` (`fused_jit_compile`,
+  `steps_per_execution`).
+
+Stock models are compiled with `stock_steps_per_execution` (default 1).
+
+The last line printed is `RESULT <json>`: epoch timings (wall-clock
+seconds), `peak_rss_mb`, and what the task measured.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from benchmarks import measure  # noqa: E402
+from benchmarks.workloads import Workload  # noqa: E402
+
+RESULT_PREFIX = "RESULT "
+READY = "READY"
+
+
+def workload(spec):
+    return Workload(spec["model"], batch_size=spec["batch_size"],
+                    model_args=spec.get("model_args", {}),
+                    data_args=spec.get("data_args", {}))
+
+
+def _fit(model, dataset, spec):
+    timer = measure.timed_fit(model, dataset, spec["steps"], spec["epochs"],
+                              spec["warmup_steps"])
+    return {"epoch_seconds": timer.durations}
+
+
+def probe(spec):
+    """Times one stock model without and with XLA; counts its FLOPs."""
+    work = workload(spec)
+    dataset = work.dataset(spec["data_batches"])
+    result = {"jit": {}}
+    model = None
+    for jit in spec.get("jit_settings", (False, True)):
+        keras.utils.set_random_seed(spec["seed"])
+        model = work.stock_model(
+            jit_compile=jit,
+            steps_per_execution=spec.get("stock_steps_per_execution", 1))
+        result["jit"][str(jit).lower()] = _fit(model, dataset, spec)[
+            "epoch_seconds"]
+    batch = next(iter(dataset))
+    result["step_flops"] = measure.train_step_flops(model, batch)
+    result["parameters"] = int(model.count_params())
+    result["matmul_peak_flops"], result["matmul_peak"] = (
+        measure.matmul_peak(spec.get("peak_size", 2048),
+                            spec.get("peak_seconds", 2.0)))
+    return result
+
+
+def serial(spec):
+    """Trains `num_models` stock models one after another."""
+    work = workload(spec)
+    dataset = work.dataset(spec["data_batches"])
+    models = []
+    for index in range(spec["num_models"]):
+        keras.utils.set_random_seed(spec["seed"] + index)
+        model = work.stock_model(
+            jit_compile=spec["jit_compile"],
+            steps_per_execution=spec.get("stock_steps_per_execution", 1))
+        models.append(_fit(model, dataset, spec)["epoch_seconds"])
+        # Each model is done before the next starts, as separate jobs are.
+        del model
+        keras.backend.clear_session()
+    return {"model_epoch_seconds": models}
+
+
+def single(spec):
+    """One stock model of the concurrent mode, started on a signal."""
+    work = workload(spec)
+    dataset = work.dataset(spec["data_batches"])
+    keras.utils.set_random_seed(spec["seed"])
+    model = work.stock_model(
+        jit_compile=spec["jit_compile"],
+        steps_per_execution=spec.get("stock_steps_per_execution", 1))
+    model.fit(dataset, epochs=1, steps_per_epoch=spec["warmup_steps"],
+              verbose=0, shuffle=False)
+    print(READY, flush=True)
+    sys.stdin.readline()
+    timer = measure.EpochTimer()
+    start = time.time()
+    model.fit(dataset, epochs=spec["epochs"], steps_per_epoch=spec["steps"],
+              verbose=0, callbacks=[timer], shuffle=False)
+    return {"epoch_seconds": timer.durations, "start": start,
+            "end": time.time()}
+
+
+def fused(spec):
+    """Trains one array of `num_models`."""
+    work = workload(spec)
+    dataset = work.dataset(spec["data_batches"])
+    keras.utils.set_random_seed(spec["seed"])
+    array = work.fused_model(
+        spec["num_models"], jit_compile=spec.get("fused_jit_compile", "auto"),
+        steps_per_execution=spec.get("steps_per_execution", 1))
+    result = _fit(array, dataset, spec)
+    result["jit_compile"] = bool(array.jit_compile)
+    return result
+
+
+TASKS = {"probe": probe, "serial": serial, "single": single, "fused": fused}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m benchmarks.worker SPEC_JSON")
+    spec = json.loads(argv[0])
+    # Every stock model gets its own tf.function: no retracing notes.
+    tf.get_logger().setLevel("ERROR")
+    result = TASKS[spec["task"]](spec)
+    result["peak_rss_mb"] = measure.peak_rss_mb()
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""What the training benchmark trains: a zoo recipe made into stock models,
+an hftatf array, and one fixed set of batches both are fed.
+
+`Workload(name)` wraps `hftatf.models.recipes.get(name)`, so every recipe of
+the zoo is a workload, with its own builder arguments, data, loss, metrics
+and optimizer. Stock models are compiled with stock Keras (the optimizer the
+recipe names, at its learning rate); the array is `hftatf.fuse(model, B)`
+compiled with the fused form of that same optimizer, so both sides run the
+same update rule.
+
+Recipes with a training step of their own (a `model_class` such as
+`FusedGAN`) need a stock twin for the serial and concurrent modes; the
+twins live in `STOCK_TRAINERS`, keyed by the array class's name.
+"""
+
+import dataclasses
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import hftatf
+from hftatf.models import recipes
+
+
+class StockGAN(keras.Model):
+    """One stock DCGAN trained as `FusedGAN` trains each of its models: the
+    simultaneous generator/discriminator step of the TensorFlow DCGAN
+    tutorial, with the noise drawn inside the step.
+
+    Args:
+        gan: a model made by `hftatf.models.dcgan.build` (its nested
+            `"generator"` and `"discriminator"` are trained).
+    """
+
+    def __init__(self, gan, **kwargs):
+        super().__init__(name=kwargs.pop("name", "stock_gan"), **kwargs)
+        self.generator = gan.get_layer("generator")
+        self.discriminator = gan.get_layer("discriminator")
+        self.latent_dim = self.generator.input_shape[-1]
+        self.seed = keras.random.SeedGenerator(0)
+        self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
+        self.d_tracker = keras.metrics.Mean(name="d_loss")
+        self.g_tracker = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_tracker, self.g_tracker]
+
+    def compile(self, optimizer, jit_compile="auto", **kwargs):
+        """`optimizer` (a stock optimizer) is copied for each network."""
+        super().compile(jit_compile=jit_compile, **kwargs)
+        config = optimizer.get_config()
+        self.d_optimizer = type(optimizer).from_config(config)
+        self.g_optimizer = type(optimizer).from_config(config)
+        self.d_optimizer.build(self.discriminator.trainable_variables)
+        self.g_optimizer.build(self.generator.trainable_variables)
+
+    def call(self, noise, training=False):
+        return self.discriminator(self.generator(noise, training=training),
+                                  training=training)
+
+    def train_step(self, data):
+        images, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        noise = keras.random.normal(
+            (tf.shape(images)[0], self.latent_dim), seed=self.seed)
+        with tf.GradientTape(persistent=True) as tape:
+            fake = self.generator(noise, training=True)
+            real_logits = self.discriminator(images, training=True)
+            fake_logits = self.discriminator(fake, training=True)
+            d_loss = (self.bce(tf.ones_like(real_logits), real_logits)
+                      + self.bce(tf.zeros_like(fake_logits), fake_logits))
+            g_loss = self.bce(tf.ones_like(fake_logits), fake_logits)
+        d_weights = self.discriminator.trainable_variables
+        g_weights = self.generator.trainable_variables
+        self.d_optimizer.apply(tape.gradient(d_loss, d_weights), d_weights)
+        self.g_optimizer.apply(tape.gradient(g_loss, g_weights), g_weights)
+        del tape
+        self.d_tracker.update_state(d_loss)
+        self.g_tracker.update_state(g_loss)
+        return {m.name: m.result() for m in self.metrics}
+
+
+# Array class name -> stock twin trained by `fit` as the array trains each
+# of its models.
+STOCK_TRAINERS = {"FusedGAN": StockGAN}
+
+
+def stock_optimizer(name, learning_rate):
+    """A fresh stock Keras optimizer `name` at `learning_rate`."""
+    cls = type(keras.optimizers.get(name))
+    return cls(learning_rate=learning_rate)
+
+
+def parse_value(text):
+    """A command-line value: int, float, bool, None, a tuple `(1,2)` or
+    `[1,2]`, else the string itself."""
+    text = text.strip()
+    if text[:1] in "([" and text[-1:] in ")]":
+        return tuple(parse_value(v) for v in text[1:-1].split(";") if v)
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_overrides(text):
+    """`"a=1,b=(2;3)"` -> `{"a": 1, "b": (2, 3)}` (tuples use `;`)."""
+    overrides = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"Overrides are name=value pairs separated by commas "
+                f"(tuples as (a;b)). Received: {item!r} in {text!r}.")
+        overrides[key.strip()] = parse_value(value)
+    return overrides
+
+
+@dataclasses.dataclass
+class Workload:
+    """A zoo recipe as a benchmark workload.
+
+    Attributes:
+        name: the recipe name (`hftatf.models.recipes.names()`).
+        batch_size: samples per step of every model.
+        model_args: builder arguments over the recipe's.
+        data_args: data-recipe arguments over the recipe's.
+    """
+
+    name: str
+    batch_size: int = 64
+    model_args: dict = dataclasses.field(default_factory=dict)
+    data_args: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        self.recipe = recipes.get(self.name)
+
+    @property
+    def array_class(self):
+        return self.recipe.model_class or hftatf.FusedModel
+
+    @property
+    def has_stock_trainer(self):
+        """Whether stock Keras can train this model (serial, concurrent)."""
+        return (self.recipe.model_class is None
+                or self.array_class.__name__ in STOCK_TRAINERS)
+
+    def build(self):
+        """The recipe's plain Keras model (uncompiled)."""
+        return self.recipe.build(**{**self.recipe.model_args,
+                                    **self.model_args})
+
+    def stock_model(self, jit_compile, steps_per_execution=1):
+        """A fresh stock model compiled as stock Keras trains it."""
+        optimizer = stock_optimizer(self.recipe.optimizer,
+                                    self.recipe.learning_rate)
+        if self.recipe.model_class is not None:
+            trainer = STOCK_TRAINERS.get(self.array_class.__name__)
+            if trainer is None:
+                raise ValueError(
+                    f"Model {self.name!r} trains with "
+                    f"{self.array_class.__name__}, which has no stock twin "
+                    "in benchmarks.workloads.STOCK_TRAINERS; benchmark it "
+                    "with --modes fused, or add one.")
+            model = trainer(self.build())
+            model.compile(optimizer, jit_compile=jit_compile,
+                          steps_per_execution=steps_per_execution)
+            return model
+        model = self.build()
+        model.compile(optimizer, loss=self.recipe.loss,
+                      metrics=list(self.recipe.metrics) or None,
+                      jit_compile=jit_compile,
+                      steps_per_execution=steps_per_execution)
+        return model
+
+    def fused_model(self, num_models, jit_compile="auto",
+                    steps_per_execution=1):
+        """A fresh array of `num_models`, compiled with the fused form of
+        the recipe's optimizer."""
+        array = hftatf.fuse(self.build(), num_models,
+                            model_class=self.array_class)
+        optimizer = hftatf.optimizers.get(stock_optimizer(
+            self.recipe.optimizer, self.recipe.learning_rate))
+        kwargs = {}
+        if self.recipe.loss is not None:
+            kwargs["loss"] = self.recipe.loss
+        if self.recipe.metrics:
+            kwargs["metrics"] = list(self.recipe.metrics)
+        array.compile(optimizer=optimizer, jit_compile=jit_compile,
+                      steps_per_execution=steps_per_execution, **kwargs)
+        return array
+
+    def batches(self, count, seed=0):
+        """`count` full batches of the recipe's training data, stacked:
+        every leaf gets a leading axis of `count`."""
+        train, _ = self.recipe.data(
+            self.batch_size, seed=seed,
+            **{**self.recipe.data_args, **self.data_args})
+        kept = []
+        for batch in train.repeat().as_numpy_iterator():
+            if len(keras.tree.flatten(batch)[0]) == self.batch_size:
+                kept.append(batch)
+            if len(kept) == count:
+                break
+        return keras.tree.map_structure(lambda *b: np.stack(b), *kept)
+
+    def dataset(self, count, seed=0):
+        """The same `count` batches again and again, from memory: no input
+        pipeline cost in the timings, and every mode sees the same data."""
+        stacked = self.batches(count, seed)
+        return tf.data.Dataset.from_tensor_slices(stacked).repeat().prefetch(
+            tf.data.AUTOTUNE)

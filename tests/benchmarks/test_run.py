@@ -1,0 +1,152 @@
+"""The training benchmark harness: its FLOP counter, its argument parsing,
+and one smoke run of every mode with the tiniest settings (not a timing
+test: it checks that the harness runs and writes a well-formed CSV)."""
+
+import csv
+import pathlib
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+# The harness lives next to the package, not inside it.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from benchmarks import measure, run  # noqa: E402
+from benchmarks.workloads import (  # noqa: E402
+    Workload,
+    parse_overrides,
+    parse_value,
+)
+
+
+def trained(model, x, y):
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+    return model
+
+
+def test_hlo_flops_of_a_dense_step_are_the_textbook_count():
+    batch, sizes = 8, (6, 5, 4, 3)
+    x = keras.Input((sizes[0],))
+    h = x
+    for units in sizes[1:]:
+        h = keras.layers.Dense(units)(h)
+    model = keras.Model(x, h)
+    model.compile("sgd", "mse")
+    data = (np.ones((batch, sizes[0]), "float32"),
+            np.ones((batch, sizes[-1]), "float32"))
+    trained(model, *data)
+    products = [2 * batch * a * b for a, b in zip(sizes, sizes[1:])]
+    # Forward, kernel gradients, and input gradients of every layer but the
+    # first (the data need none).
+    expected = 2 * sum(products) + sum(products[1:])
+    flops = measure.train_step_flops(
+        model, tuple(tf.constant(d) for d in data))
+    assert flops == expected
+
+
+def test_hlo_flops_count_convolutions_and_their_gradients():
+    batch = 2
+    x = keras.Input((6, 6, 3))
+    h = keras.layers.Conv2D(4, 3, padding="same")(x)
+    h = keras.layers.DepthwiseConv2D(3)(h)
+    model = keras.Model(x, h)
+    model.compile("sgd", "mse")
+    data = (np.ones((batch, 6, 6, 3), "float32"),
+            np.ones((batch, 4, 4, 4), "float32"))
+    trained(model, *data)
+    conv = 2 * batch * 6 * 6 * 4 * 3 * 3 * 3
+    depthwise = 2 * batch * 4 * 4 * 4 * 3 * 3
+    # The depthwise input gradient sums 3 x 3 windows over the padded
+    # 6 x 6 map, as XLA computes it.
+    depthwise_input = 2 * batch * 6 * 6 * 4 * 3 * 3
+    # conv: forward and kernel gradient (the data need no gradient).
+    expected = 2 * conv + 2 * depthwise + depthwise_input
+    flops = measure.train_step_flops(
+        model, tuple(tf.constant(d) for d in data))
+    assert flops == expected
+
+
+def test_hlo_flops_read_operand_shapes_from_their_definitions():
+    text = """
+      %a = f32[4,3]{1,0} parameter(0)
+      %b = f32[3,5]{1,0} parameter(1)
+      %dot.1 = f32[4,5]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+      %dot.2 = f32[4,5]{1,0} dot(f32[4,3]{1,0} %a, f32[3,5]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+      %dead = f32[4,5]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+      ROOT %add = f32[4,5]{1,0} add(%dot.1, %dot.2)
+    """  # noqa: E501
+    assert measure.hlo_flops(text) == 2 * (2 * 4 * 5 * 3)
+    assert measure.hlo_flops("HloModule m") == 0
+
+
+def test_parse_overrides():
+    assert parse_overrides("width=0.5,hidden_units=(8;4),dropout=none,"
+                           "name=tiny,augment=true") == {
+        "width": 0.5, "hidden_units": (8, 4), "dropout": None,
+        "name": "tiny", "augment": True}
+    assert parse_value("3") == 3
+    with pytest.raises(ValueError, match="name=value"):
+        parse_overrides("width")
+
+
+def test_parse_args_rejects_unknown_modes():
+    with pytest.raises(SystemExit):
+        run.parse_args(["--modes", "serial,parallel"])
+
+
+def test_workload_batches_are_full_and_repeat():
+    work = Workload("mlp", batch_size=16)
+    batches = work.batches(3)
+    x, y = batches
+    assert x.shape == (3, 16, 8, 8, 1) and y.shape == (3, 16)
+    element = next(iter(work.dataset(3)))
+    assert element[0].shape == (16, 8, 8, 1)
+
+
+def test_stock_gan_twin_trains_like_the_array():
+    work = Workload("dcgan", batch_size=4,
+                    model_args={"latent_dim": 8, "filters": 4,
+                                "image_size": 8},
+                    data_args={"image_size": 8})
+    dataset = work.dataset(2)
+    stock = work.stock_model(jit_compile=False)
+    logs = stock.fit(dataset, steps_per_epoch=2, verbose=0).history
+    assert set(logs) == {"d_loss", "g_loss"}
+    array = work.fused_model(2, jit_compile=False)
+    logs = array.fit(dataset, steps_per_epoch=2, verbose=0).history
+    assert {"d_loss_0", "g_loss_1"} <= set(logs)
+
+
+def test_smoke_run_writes_a_well_formed_csv(tmp_path):
+    rows = run.main([
+        "--model", "mlp", "--num_models", "2",
+        "--modes", "serial,concurrent,fused", "--batch_size", "8",
+        "--steps", "2", "--epochs", "1", "--warmup_steps", "1",
+        "--data_batches", "2", "--stock_jit", "false", "--fused_jit", "false",
+        "--model_args", "hidden_units=(4)", "--peak_size", "64",
+        "--peak_seconds", "0.05", "--output_dir", str(tmp_path)])
+    with open(tmp_path / "results.csv") as file:
+        table = list(csv.DictReader(file))
+    assert tuple(table[0]) == run.COLUMNS
+    assert [r["mode"] for r in table] == ["serial", "concurrent", "fused"]
+    assert len(rows) == 3
+    for row in table:
+        assert row["model"] == "mlp" and row["num_models"] == "2"
+        assert float(row["samples_per_s"]) > 0
+        assert float(row["peak_rss_mb"]) > 0
+        assert float(row["step_gflop"]) > 0
+        assert float(row["percent_of_peak"]) > 0
+        assert row["jit_compile"] == "False"
+    assert float(table[0]["speedup"]) == 1.0
+    # The concurrent mode holds two processes: about twice one's memory.
+    assert float(table[1]["peak_rss_mb"]) > 1.5 * float(
+        table[0]["peak_rss_mb"])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "speedup_mlp.png").stat().st_size > 0
+    assert (tmp_path / "speedup.png").stat().st_size > 0
