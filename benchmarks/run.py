@@ -120,6 +120,11 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds allowed to one measurement")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows of other models already in "
+                             "<output_dir>/results.csv (a run split into "
+                             "several invocations, e.g. with other flags "
+                             "per model); the table and plots show all")
     parser.add_argument("--quick", action="store_true",
                         help="a small run: short epochs, and B in 1,2,4 "
                              "unless --num_models says otherwise")
@@ -402,6 +407,31 @@ def write_csv(rows, path):
             writer.writerow({key: row.get(key, "") for key in COLUMNS})
 
 
+def read_csv(path):
+    """The rows of a results.csv written by `write_csv`, numbers parsed
+    (empty cells are None); [] when there is no such file."""
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, newline="") as file:
+        for row in csv.DictReader(file):
+            parsed = {}
+            for key, value in row.items():
+                if value == "":
+                    parsed[key] = None
+                elif key in ("model", "mode"):
+                    parsed[key] = value
+                elif key == "jit_compile":
+                    parsed[key] = value == "True"
+                else:
+                    number = float(value)
+                    parsed[key] = int(number) if key in (
+                        "num_models", "batch_size", "steps", "epochs",
+                        "repeats") else number
+            rows.append(parsed)
+    return rows
+
+
 def plot(rows, directory):
     """Speedup over serial against B: one PNG per model and one of every
     model's fused curve. Returns the files written ([] without
@@ -457,13 +487,18 @@ def main(argv=None):
           f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}",
           flush=True)
     rows = []
+    if args.append:
+        rows = [row for row in read_csv(directory / "results.csv")
+                if row["model"] not in args.models]
     for name in args.models:
         rows.extend(benchmark_model(args, name))
         # Written as it goes: a long run that dies keeps what it measured.
         write_csv(rows, directory / "results.csv")
     print_table(rows)
-    print(f"matmul peak: {rows[0]['matmul_peak_gflop_per_s']:.1f} GFLOP/s"
-          if rows else "")
+    peaks = [row["matmul_peak_gflop_per_s"] for row in rows
+             if row.get("matmul_peak_gflop_per_s")]
+    if peaks:
+        print(f"matmul peak: {peaks[-1]:.1f} GFLOP/s")
     for path in plot(rows, directory):
         print(f"wrote {path}")
     print(f"wrote {directory / 'results.csv'}")

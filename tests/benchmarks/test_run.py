@@ -120,8 +120,25 @@ def test_stock_gan_twin_trains_like_the_array():
     assert {"d_loss_0", "g_loss_1"} <= set(logs)
 
 
+def test_csv_round_trip(tmp_path):
+    rows = [{"model": "pointnet", "mode": "fused", "num_models": 8,
+             "batch_size": 64, "jit_compile": True, "samples_per_s": 1234.5,
+             "speedup": None}]
+    path = tmp_path / "results.csv"
+    run.write_csv(rows, path)
+    read = run.read_csv(path)
+    assert len(read) == 1
+    assert {k: read[0][k] for k in rows[0]} == rows[0]
+    assert read[0]["peak_rss_mb"] is None
+
+
 def test_smoke_run_writes_a_well_formed_csv(tmp_path):
+    # A row of another model, kept by --append.
+    kept = {"model": "pointnet", "mode": "fused", "num_models": 4,
+            "samples_per_s": 10.0}
+    run.write_csv([kept], tmp_path / "results.csv")
     rows = run.main([
+        "--append",
         "--model", "mlp", "--num_models", "2",
         "--modes", "serial,concurrent,fused", "--batch_size", "8",
         "--steps", "2", "--epochs", "1", "--warmup_steps", "1",
@@ -131,8 +148,11 @@ def test_smoke_run_writes_a_well_formed_csv(tmp_path):
     with open(tmp_path / "results.csv") as file:
         table = list(csv.DictReader(file))
     assert tuple(table[0]) == run.COLUMNS
+    assert table[0]["model"] == "pointnet"
+    assert float(table[0]["samples_per_s"]) == 10.0
+    table = table[1:]
     assert [r["mode"] for r in table] == ["serial", "concurrent", "fused"]
-    assert len(rows) == 3
+    assert len(rows) == 4
     for row in table:
         assert row["model"] == "mlp" and row["num_models"] == "2"
         assert float(row["samples_per_s"]) > 0
