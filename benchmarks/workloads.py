@@ -20,70 +20,12 @@ import numpy as np
 import tensorflow as tf
 
 import hftatf
-from hftatf.models import recipes
-
-
-class StockGAN(keras.Model):
-    """One stock DCGAN trained as `FusedGAN` trains each of its models: the
-    simultaneous generator/discriminator step of the TensorFlow DCGAN
-    tutorial, with the noise drawn inside the step.
-
-    Args:
-        gan: a model made by `hftatf.models.dcgan.build` (its nested
-            `"generator"` and `"discriminator"` are trained).
-    """
-
-    def __init__(self, gan, **kwargs):
-        super().__init__(name=kwargs.pop("name", "stock_gan"), **kwargs)
-        self.generator = gan.get_layer("generator")
-        self.discriminator = gan.get_layer("discriminator")
-        self.latent_dim = self.generator.input_shape[-1]
-        self.seed = keras.random.SeedGenerator(0)
-        self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
-        self.d_tracker = keras.metrics.Mean(name="d_loss")
-        self.g_tracker = keras.metrics.Mean(name="g_loss")
-
-    @property
-    def metrics(self):
-        return [self.d_tracker, self.g_tracker]
-
-    def compile(self, optimizer, jit_compile="auto", **kwargs):
-        """`optimizer` (a stock optimizer) is copied for each network."""
-        super().compile(jit_compile=jit_compile, **kwargs)
-        config = optimizer.get_config()
-        self.d_optimizer = type(optimizer).from_config(config)
-        self.g_optimizer = type(optimizer).from_config(config)
-        self.d_optimizer.build(self.discriminator.trainable_variables)
-        self.g_optimizer.build(self.generator.trainable_variables)
-
-    def call(self, noise, training=False):
-        return self.discriminator(self.generator(noise, training=training),
-                                  training=training)
-
-    def train_step(self, data):
-        images, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        noise = keras.random.normal(
-            (tf.shape(images)[0], self.latent_dim), seed=self.seed)
-        with tf.GradientTape(persistent=True) as tape:
-            fake = self.generator(noise, training=True)
-            real_logits = self.discriminator(images, training=True)
-            fake_logits = self.discriminator(fake, training=True)
-            d_loss = (self.bce(tf.ones_like(real_logits), real_logits)
-                      + self.bce(tf.zeros_like(fake_logits), fake_logits))
-            g_loss = self.bce(tf.ones_like(fake_logits), fake_logits)
-        d_weights = self.discriminator.trainable_variables
-        g_weights = self.generator.trainable_variables
-        self.d_optimizer.apply(tape.gradient(d_loss, d_weights), d_weights)
-        self.g_optimizer.apply(tape.gradient(g_loss, g_weights), g_weights)
-        del tape
-        self.d_tracker.update_state(d_loss)
-        self.g_tracker.update_state(g_loss)
-        return {m.name: m.result() for m in self.metrics}
+from hftatf.models import dcgan, recipes
 
 
 # Array class name -> stock twin trained by `fit` as the array trains each
 # of its models.
-STOCK_TRAINERS = {"FusedGAN": StockGAN}
+STOCK_TRAINERS = {"FusedGAN": dcgan.GAN}
 
 
 def stock_optimizer(name, learning_rate):
@@ -171,7 +113,7 @@ class Workload:
                     "in benchmarks.workloads.STOCK_TRAINERS; benchmark it "
                     "with --modes fused, or add one.")
             model = trainer(self.build())
-            model.compile(optimizer, jit_compile=jit_compile,
+            model.compile(optimizer=optimizer, jit_compile=jit_compile,
                           steps_per_execution=steps_per_execution)
             return model
         model = self.build()
