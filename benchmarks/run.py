@@ -29,8 +29,9 @@ It prints one row per model, mode and B: throughput in model-samples per
 second, speedup over serial (median and range over repeats), peak memory,
 and achieved FLOP/s (the FLOPs XLA counts in one stock training step, times
 the steps all B models took, per second) against the matmul peak measured
-on this device in the same run. The rows go to `<output_dir>/results.csv`,
-and speedup-vs-B curves to `<output_dir>/speedup_<model>.png` and
+on this device in the same run. The rows go to `<output_dir>/results.csv`
+(and a Markdown table to `results.md`), and speedup-vs-B curves to
+`<output_dir>/speedup_<model>.png` and
 `speedup.png` when matplotlib is installed.
 """
 
@@ -398,6 +399,41 @@ def print_table(rows):
               f"{_format(row.get('percent_of_peak'), 1):>8}")
 
 
+def markdown_table(rows):
+    """The rows as a Markdown table, one line per model and B: each mode's
+    throughput, the fused and concurrent speedups over serial, the peak
+    memory of each mode, and the fused array's share of the matmul peak."""
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    header = (["model", "B"] + [f"{m} samples/s" for m in modes]
+              + [f"{m} speedup" for m in modes if m != "serial"]
+              + [f"{m} MiB" for m in modes] + ["fused % of peak",
+                                               "fused XLA"])
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    keys = sorted({(r["model"], r["num_models"]) for r in rows},
+                  key=lambda key: (_order(rows, key[0]), key[1]))
+    for model, num_models in keys:
+        by_mode = {r["mode"]: r for r in rows if r["model"] == model
+                   and r["num_models"] == num_models}
+        fused = by_mode.get("fused", {})
+        cells = ([model, str(num_models)]
+                 + [_format(by_mode.get(m, {}).get("samples_per_s"), 0)
+                    for m in modes]
+                 + [_format(by_mode.get(m, {}).get("speedup"), 2)
+                    for m in modes if m != "serial"]
+                 + [_format(by_mode.get(m, {}).get("peak_rss_mb"), 0)
+                    for m in modes]
+                 + [_format(fused.get("percent_of_peak"), 1),
+                    _format(fused.get("jit_compile"))])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _order(rows, model):
+    """Models in the order they were measured."""
+    return next(i for i, r in enumerate(rows) if r["model"] == model)
+
+
 def write_csv(rows, path):
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as file:
@@ -501,7 +537,8 @@ def main(argv=None):
         print(f"matmul peak: {peaks[-1]:.1f} GFLOP/s")
     for path in plot(rows, directory):
         print(f"wrote {path}")
-    print(f"wrote {directory / 'results.csv'}")
+    (directory / "results.md").write_text(markdown_table(rows))
+    print(f"wrote {directory / 'results.csv'} and results.md")
     return rows
 
 

@@ -164,6 +164,10 @@ def test_smoke_run_writes_a_well_formed_csv(tmp_path):
     # The concurrent mode holds two processes: about twice one's memory.
     assert float(table[1]["peak_rss_mb"]) > 1.5 * float(
         table[0]["peak_rss_mb"])
+    markdown = (tmp_path / "results.md").read_text().splitlines()
+    assert markdown[0].startswith("| model | B | serial samples/s")
+    assert [line.split(" | ")[:2] for line in markdown[2:]] == [
+        ["| pointnet", "4"], ["| mlp", "2"]]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
