@@ -144,6 +144,23 @@ def _model_slice(tensor, index):
     return sliced
 
 
+def _model_slices(tensor, num_models):
+    """`[tensor[:, b] for b in range(num_models)]` from one `unstack`, whose
+    gradient is one `stack`: B separate slices would cost B gradients of
+    the size of the whole tensor. Keeps the cached logits, as
+    `_model_slice` does."""
+    slices = ops.unstack(tensor, num_models, axis=1)
+    logits = getattr(tensor, "_keras_logits", None)
+    if logits is not None:
+        for sliced, sliced_logits in zip(
+                slices, ops.unstack(logits, num_models, axis=1)):
+            try:
+                sliced._keras_logits = sliced_logits
+            except AttributeError:
+                pass
+    return slices
+
+
 def _with_num_models(config, old, new):
     """`config` with every `num_models` equal to `old` set to `new`."""
     if isinstance(config, dict):
@@ -475,11 +492,14 @@ class FusedModel(keras.Model):
                 "Pass per_model_labels=True or False to compile() to say.")
         return bool(self._per_model_labels)
 
-    def _model_targets(self, y, y_pred, sample_weight, index, training=False):
+    def _model_targets(self, y, y_pred, sample_weight, index, training=False,
+                       pred=None):
         """Model `index`'s slice of predictions, labels and sample weights
-        (times its class weights while `fit` applies them)."""
-        pred = keras.tree.map_structure(
-            lambda t: _model_slice(t, index), y_pred)
+        (times its class weights while `fit` applies them). `pred`: the
+        slice of `y_pred`, when the caller has it."""
+        if pred is None:
+            pred = keras.tree.map_structure(
+                lambda t: _model_slice(t, index), y_pred)
         flat_pred = keras.tree.flatten(y_pred)
         labels = None
         if y is not None:
@@ -538,9 +558,13 @@ class FusedModel(keras.Model):
         """
         del x
         losses = []
+        flat_slices = [_model_slices(t, self.num_models)
+                       for t in keras.tree.flatten(y_pred)]
         for index in range(self.num_models):
             labels, pred, weights = self._model_targets(
-                y, y_pred, sample_weight, index, training=training)
+                y, y_pred, sample_weight, index, training=training,
+                pred=keras.tree.pack_sequence_as(
+                    y_pred, [slices[index] for slices in flat_slices]))
             loss = None
             if self._model_losses is not None:
                 loss = self._model_losses[index](labels, pred, weights)
