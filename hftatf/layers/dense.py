@@ -111,6 +111,17 @@ def add_per_model(outputs, values):
     return outputs + values
 
 
+def _models_first(equation):
+    """A fused einsum equation (`"aMbc,Mcd->aMbd"`: the model letter after
+    the batch letter of the input and output, first in the kernel) for the
+    input and output with their first two axes swapped
+    (`"Mabc,Mcd->Mabd"`)."""
+    operands, output = equation.split("->")
+    inputs, kernel = operands.split(",")
+    return (f"{inputs[1]}{inputs[0]}{inputs[2:]},{kernel}->"
+            f"{output[1]}{output[0]}{output[2:]}")
+
+
 @hftatf_export
 @registry.register(keras.layers.Dense)
 class FusedDense(FusedLayer):
@@ -515,7 +526,15 @@ class FusedEinsumDense(FusedLayer):
                                 *plan.bias_shape)
 
     def call(self, inputs, training=None):
-        outputs = ops.einsum(self._fused_equation, inputs, self.kernel)
+        if self.num_models > 1 and compiling_with_xla():
+            # Models first: XLA:CPU lowers the einsum (and its gradients)
+            # about 2x faster when the model axis leads both operands, as
+            # for `per_model_matmul`.
+            outputs = ops.swapaxes(ops.einsum(
+                _models_first(self._fused_equation),
+                ops.swapaxes(inputs, 0, 1), self.kernel), 0, 1)
+        else:
+            outputs = ops.einsum(self._fused_equation, inputs, self.kernel)
         if self.bias is not None:
             # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the
             # axis from the shapes alone.

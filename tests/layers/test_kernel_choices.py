@@ -20,6 +20,7 @@ from hftatf.layers import (
     FusedConv2D,
     FusedDense,
     FusedDepthwiseConv2D,
+    FusedEinsumDense,
     FusedSeparableConv2D,
     convolutional,
     dense,
@@ -70,7 +71,7 @@ def check(stock, fused, per_model_shape, xla, rng, **call_kwargs):
 
 # (per-model input shape, units): without XLA, inputs with positions take
 # the broadcasting matmul if `in * out <= S * (in + out)`, per-model products
-# otherwise; under XLA, an einsum.
+# otherwise; under XLA, an einsum (vectors) or a models-first batched matmul.
 DENSE_CASES = {
     "vector": ((5,), 3),
     "positions-matmul": ((16, 3), 4),
@@ -88,6 +89,31 @@ def test_dense_formulations_match_stock(case, num_models, xla):
     stock, fused = twins(keras.layers.Dense, FusedDense, shape, num_models,
                          rng, units=units, activation="tanh")
     check(stock, fused, shape, xla, rng)
+
+
+# Under XLA, EinsumDense computes with the models first (the input's first
+# two axes swapped): (equation, output shape, bias axes, per-model shape).
+EINSUM_CASES = {
+    "projection": ("abc,cde->abde", (5, 2, 4), "de", (5, 6)),
+    "combine": ("abde,dec->abc", (5, 6), "c", (5, 2, 4)),
+    "vector": ("ab,bc->ac", 4, "c", (6,)),
+    "ellipsis": ("...b,bc->...c", 4, None, (3, 6)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EINSUM_CASES))
+@pytest.mark.parametrize("xla", [False, True], ids=["eager", "xla"])
+def test_einsum_dense_formulations_match_stock(case, xla):
+    equation, output_shape, bias_axes, shape = EINSUM_CASES[case]
+    rng = np.random.default_rng(0)
+    stock, fused = twins(keras.layers.EinsumDense, FusedEinsumDense, shape, 3,
+                         rng, equation=equation, output_shape=output_shape,
+                         bias_axes=bias_axes)
+    check(stock, fused, shape, xla, rng)
+
+
+def test_models_first_equation():
+    assert dense._models_first("afbc,fcde->afbde") == "fabc,fcde->fabde"
 
 
 def test_dense_rule_follows_the_sizes():
