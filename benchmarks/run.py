@@ -497,7 +497,8 @@ def plot(rows, directory):
         axes.set_xlabel("models B")
         axes.set_ylabel("speedup over serial stock fit")
         axes.set_title(title)
-        axes.legend()
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend()
         figure.tight_layout()
         figure.savefig(path, dpi=100)
         plt.close(figure)
