@@ -29,6 +29,17 @@ import tensorflow as tf
 # -- In-memory digits -------------------------------------------------------
 
 
+def check_image_shape(input_shape):
+    """Raises a ValueError unless `input_shape` is the shape of one
+    channels-last image, `(height, width, channels)` (None for any size)."""
+    shape = tuple(input_shape)
+    if len(shape) != 3 or any(d is not None and d < 1 for d in shape):
+        raise ValueError(
+            "`input_shape` must be the shape of one channels-last image, "
+            "(height, width, channels). Received: "
+            f"input_shape={input_shape!r}.")
+
+
 def digits(validation_fraction=0.2, seed=0):
     """scikit-learn's bundled handwritten digits: 1,797 8x8 images, 10 classes.
 

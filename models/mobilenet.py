@@ -248,12 +248,7 @@ def mobilenet_v3_large(**kwargs):
 
 
 def _check_arguments(input_shape, alpha, stem_strides):
-    shape = tuple(input_shape)
-    if len(shape) != 3 or any(d is not None and d < 1 for d in shape):
-        raise ValueError(
-            "`input_shape` must be the shape of one channels-last image, "
-            "(height, width, channels). Received: "
-            f"input_shape={input_shape!r}.")
+    data.check_image_shape(input_shape)
     if not alpha > 0:
         raise ValueError(
             f"`alpha` must be a positive width multiplier. Received: "

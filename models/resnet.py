@@ -127,7 +127,7 @@ def build(depth=18, input_shape=(32, 32, 3), num_classes=10, stem="cifar",
     if not width > 0:
         raise ValueError(
             f"`width` must be a positive multiplier. Received: width={width}.")
-    _check_image_shape(input_shape)
+    data.check_image_shape(input_shape)
     inputs = keras.Input(shape=tuple(input_shape), name="images")
     x = apply_stem(inputs, stem, scaled_filters(STAGE_FILTERS[0], width),
                    "stem", bn_momentum, bn_epsilon)
@@ -151,15 +151,6 @@ def resnet18(**kwargs):
 def resnet34(**kwargs):
     """ResNet-34: `build(depth=34, **kwargs)`."""
     return build(depth=34, **kwargs)
-
-
-def _check_image_shape(input_shape):
-    shape = tuple(input_shape)
-    if len(shape) != 3 or any(d is not None and d < 1 for d in shape):
-        raise ValueError(
-            "`input_shape` must be the shape of one channels-last image, "
-            "(height, width, channels). Received: "
-            f"input_shape={input_shape!r}.")
 
 
 for _name, _build in (("resnet18", resnet18), ("resnet34", resnet34)):
