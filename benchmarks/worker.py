@@ -18,8 +18,8 @@ SPEC_JSON names the `task` and the workload (`model`, `batch_size`,
 
 Stock models are compiled with `stock_steps_per_execution` (default 1).
 
-The last line printed is `RESULT <json>`: epoch timings (wall-clock
-seconds), `peak_rss_mb`, and what the task measured.
+The last line printed is `RESULT <json>`: epoch timings (wall-clock and
+processor seconds), `peak_rss_mb`, and what the task measured.
 """
 
 import json
@@ -48,7 +48,8 @@ def workload(spec):
 def _fit(model, dataset, spec):
     timer = measure.timed_fit(model, dataset, spec["steps"], spec["epochs"],
                               spec["warmup_steps"])
-    return {"epoch_seconds": timer.durations}
+    return {"epoch_seconds": timer.durations,
+            "epoch_cpu_seconds": timer.cpu_durations}
 
 
 def probe(spec):
@@ -83,11 +84,13 @@ def serial(spec):
         model = work.stock_model(
             jit_compile=spec["jit_compile"],
             steps_per_execution=spec.get("stock_steps_per_execution", 1))
-        models.append(_fit(model, dataset, spec)["epoch_seconds"])
+        models.append(_fit(model, dataset, spec))
         # Each model is done before the next starts, as separate jobs are.
         del model
         keras.backend.clear_session()
-    return {"model_epoch_seconds": models}
+    return {"model_epoch_seconds": [m["epoch_seconds"] for m in models],
+            "model_epoch_cpu_seconds": [m["epoch_cpu_seconds"]
+                                        for m in models]}
 
 
 def single(spec):
@@ -106,7 +109,8 @@ def single(spec):
     start = time.time()
     model.fit(dataset, epochs=spec["epochs"], steps_per_epoch=spec["steps"],
               verbose=0, callbacks=[timer], shuffle=False)
-    return {"epoch_seconds": timer.durations, "start": start,
+    return {"epoch_seconds": timer.durations,
+            "epoch_cpu_seconds": timer.cpu_durations, "start": start,
             "end": time.time()}
 
 

@@ -120,6 +120,18 @@ def test_stock_gan_twin_trains_like_the_array():
     assert {"d_loss_0", "g_loss_1"} <= set(logs)
 
 
+def test_epoch_timer_records_wall_and_processor_time():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse", jit_compile=False)
+    x = np.zeros((8, 4), "float32")
+    dataset = tf.data.Dataset.from_tensors((x, x[:, :2])).repeat()
+    timer = measure.timed_fit(model, dataset, steps=3, epochs=2,
+                              warmup_steps=1)
+    assert len(timer.durations) == len(timer.cpu_durations) == 2
+    assert all(seconds > 0 for seconds in timer.durations)
+    assert all(seconds > 0 for seconds in timer.cpu_durations)
+
+
 def test_csv_round_trip(tmp_path):
     rows = [{"model": "pointnet", "mode": "fused", "num_models": 8,
              "batch_size": 64, "jit_compile": True, "samples_per_s": 1234.5,
@@ -156,16 +168,20 @@ def test_smoke_run_writes_a_well_formed_csv(tmp_path):
     for row in table:
         assert row["model"] == "mlp" and row["num_models"] == "2"
         assert float(row["samples_per_s"]) > 0
+        assert float(row["cpu_samples_per_s"]) > 0
         assert float(row["peak_rss_mb"]) > 0
         assert float(row["step_gflop"]) > 0
         assert float(row["percent_of_peak"]) > 0
         assert row["jit_compile"] == "False"
     assert float(table[0]["speedup"]) == 1.0
+    assert float(table[0]["cpu_speedup"]) == 1.0
+    assert float(table[2]["cpu_speedup"]) > 0
     # The concurrent mode holds two processes: about twice one's memory.
     assert float(table[1]["peak_rss_mb"]) > 1.5 * float(
         table[0]["peak_rss_mb"])
     markdown = (tmp_path / "results.md").read_text().splitlines()
     assert markdown[0].startswith("| model | B | serial samples/s")
+    assert "| fused CPU-time speedup |" in markdown[0]
     assert [line.split(" | ")[:2] for line in markdown[2:]] == [
         ["| pointnet", "4"], ["| mlp", "2"]]
     try:
