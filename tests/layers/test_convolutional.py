@@ -33,6 +33,7 @@ from hftatf.layers import (
     FusedDepthwiseConv2D,
     FusedSeparableConv1D,
     FusedSeparableConv2D,
+    convolutional,
     registry,
 )
 from hftatf.layers.convolutional import runs_on_accelerator
@@ -242,6 +243,30 @@ SEPARABLE_CASES = [
 def test_separable_conv_matches_stock(fused_class, input_shape, num_models,
                                       kwargs):
     check_against_stock(fused_class, input_shape, num_models, **kwargs)
+
+
+@pytest.mark.parametrize("fused_class,input_shape,num_models,kwargs",
+                         DEPTHWISE_CASES + SEPARABLE_CASES)
+def test_folded_accelerator_kernels_match_stock(
+        monkeypatch, fused_class, input_shape, num_models, kwargs):
+    # On a GPU or TPU, depthwise and separable convolutions fold the models
+    # into the channel axis; on this CPU they run per model. The folded form
+    # is a plain depthwise convolution that the CPU runs too.
+    monkeypatch.setattr(convolutional, "runs_on_accelerator", lambda: True)
+    check_against_stock(fused_class, input_shape, num_models, **kwargs)
+
+
+@pytest.mark.parametrize("fused_class,kwargs,op_type", [
+    (FusedDepthwiseConv2D, {"kernel_size": 3}, "DepthwiseConv2dNative"),
+    (FusedSeparableConv2D, {"filters": 2, "kernel_size": 3},
+     "DepthwiseConv2dNative"),
+])
+def test_depthwise_kernels_fold_only_on_accelerators(
+        monkeypatch, fused_class, kwargs, op_type):
+    x = np.ones((BATCH, 3, 5, 5, 2), "float32")
+    assert convolution_ops(fused_class(3, **kwargs), x, op_type) == 3
+    monkeypatch.setattr(convolutional, "runs_on_accelerator", lambda: True)
+    assert convolution_ops(fused_class(3, **kwargs), x, op_type) == 1
 
 
 # -- Kernels: grouped under XLA, the "auto" choice on CPU. ------------------
