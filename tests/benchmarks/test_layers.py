@@ -1,0 +1,74 @@
+"""The per-layer benchmark: its arguments and one tiny measurement of each
+kind (not a timing test: it checks the harness runs both sides and reports
+what it measured)."""
+
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+# The harness lives next to the package, not inside it.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+from benchmarks import layers  # noqa: E402
+
+
+def test_parse_args_defaults_to_the_default_cases():
+    args = layers.parse_args([])
+    assert args.cases == list(layers.DEFAULT_CASES)
+    assert args.num_models == [8] and args.jit == [False]
+
+
+def test_parse_args_reads_one_case():
+    args = layers.parse_args([
+        "--layer", "Dense", "--config", "units=4,use_bias=false",
+        "--input_shape", "2,3,5", "--num_models", "1,2", "--jit",
+        "false,true"])
+    assert args.cases == [("Dense", {"units": 4, "use_bias": False},
+                           (2, 3, 5))]
+    assert args.num_models == [1, 2] and args.jit == [False, True]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--layer", "NoSuchLayer", "--input_shape", "2,3"],
+    ["--layer", "Dense"],
+    ["--config", "units=4"],
+    ["--num_models", "0"],
+    ["--jit", "maybe"],
+    ["--steps", "0"],
+])
+def test_parse_args_rejects_bad_input(argv):
+    with pytest.raises(SystemExit):
+        layers.parse_args(argv)
+
+
+@pytest.mark.parametrize("name,config,shape", [
+    ("Dense", {"units": 3}, (4, 5, 2)),
+    ("BatchNormalization", {}, (4, 5, 2)),
+    ("DepthwiseConv2D", {"kernel_size": 3, "padding": "same"},
+     (2, 4, 4, 3)),
+])
+def test_measure_case_times_both_sides(name, config, shape):
+    row = layers.measure_case(name, config, shape, num_models=2,
+                              jit_compile=False, steps=1, rounds=2)
+    assert row["layer"] == name and row["num_models"] == 2
+    for key in ("stock_wall_ms", "fused_wall_ms", "stock_cpu_ms",
+                "fused_cpu_ms", "wall_speedup", "cpu_speedup"):
+        assert row[key] > 0, key
+    # One model's output is [batch, ..., channels] of float32.
+    units = config.get("units", shape[-1])
+    expected = 4 * shape[0] * int(np.prod(shape[1:-1])) * units / 2**20
+    assert row["model_output_mib"] == pytest.approx(expected)
+    assert row["array_output_mib"] == pytest.approx(2 * expected)
+
+
+def test_main_prints_a_row_per_setting(capsys):
+    rows = layers.main(["--layer", "Activation", "--config",
+                        "activation=relu", "--input_shape", "2,3",
+                        "--num_models", "1,2", "--steps", "1", "--rounds",
+                        "1"])
+    assert [r["num_models"] for r in rows] == [1, 2]
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:2] == ["case", "B"]
+    assert len(lines) == 3 and lines[2].startswith("Activation(")
