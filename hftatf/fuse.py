@@ -4,6 +4,7 @@ The three are exact inverses: `unfuse(fuse_models(ms))` returns the weights
 of `ms`, and `fuse_models(unfuse(a))` the weights of `a`.
 """
 
+import collections
 import os
 
 import keras
@@ -118,6 +119,7 @@ class _Walker:
         self._stock_copies = {}  # id(stock layer) -> copy for shared inputs
         self._broadcasts = {}  # id(shared tensor) -> [batch, B, ...] tensor
         self._folded = {}  # id([batch, B, ...] tensor) -> [batch * B, ...]
+        self._calls = collections.Counter()  # id(stock layer) -> calls
 
     def input_like(self, reference, shared):
         shape = tuple(reference.shape)
@@ -153,6 +155,14 @@ class _Walker:
 
     def run(self, model, inputs):
         """Rebuilds `model`'s graph on `inputs`; returns per-model outputs."""
+        # How many times the graph calls each layer.
+        if isinstance(model, keras.Sequential):
+            calls = [id(layer) for layer in model.layers]
+        else:
+            calls = [id(node.operation)
+                     for nodes in model._nodes_by_depth.values()
+                     for node in nodes]
+        self._calls = collections.Counter(calls)
         if isinstance(model, keras.Sequential):
             outputs = inputs[0]
             for layer in model.layers:
@@ -178,6 +188,15 @@ class _Walker:
             outputs = self._stock_copies[id(layer)][1](*args, **kwargs)
             self._mark(outputs, True)
             return outputs
+        if self._takes_shared_input(layer, args, kwargs):
+            # One wide stock layer for all models: no per-model copies of
+            # the shared input.
+            fused = registry.fuse_layer(layer, self.num_models,
+                                        shared_input=True)
+            self._fused[id(layer)] = (layer, fused)
+            outputs = fused(*args, **kwargs)
+            self._mark(outputs, False)
+            return outputs
         args, kwargs = keras.tree.map_structure(self.per_model, (args, kwargs))
         if id(layer) not in self._fused:
             self._fused[id(layer)] = (
@@ -185,6 +204,20 @@ class _Walker:
         outputs = self._fused[id(layer)][1](*args, **kwargs)
         self._mark(outputs, False)
         return outputs
+
+    def _takes_shared_input(self, layer, args, kwargs):
+        """Whether `layer` is called once, on one shared tensor, and has a
+        fused form that takes it as it is (a Dense or convolution)."""
+        tensors = [t for t in keras.tree.flatten((args, kwargs))
+                   if isinstance(t, keras.KerasTensor)]
+        return (len(args) == 1 and tensors == [args[0]]
+                and self._is_shared(args[0])
+                # Called once in the stock graph: a layer applied to shared
+                # and per-model tensors needs one layout for its weights.
+                and self._calls[id(layer)] == 1
+                and registry.is_supported(layer)
+                and getattr(registry.fused_form(layer), "fuses_shared_input",
+                            lambda _: False)(layer))
 
     def _call_operation(self, operation, *args, **kwargs):
         """A raw `keras.ops` node: once on shared tensors (it is

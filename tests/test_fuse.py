@@ -72,9 +72,114 @@ def test_weightless_layers_on_shared_inputs_run_once():
                               keras.layers.Dense(2)])
     array = hftatf.fuse(model, 3)
     kinds = [type(layer).__name__ for layer in array.layers]
-    # Flatten sees the shared batch: no fold, broadcast just before Dense.
-    assert kinds == ["InputLayer", "Flatten", "BroadcastToModels",
-                     "FusedDense"]
+    # Flatten sees the shared batch: no fold; the Dense takes the shared
+    # batch as one wide layer, so nothing is broadcast.
+    assert kinds == ["InputLayer", "Flatten", "FusedDense"]
+    assert array.layers[-1].shared_input
+
+
+def _first_layer_models():
+    def sequential(input_shape, *layers):
+        return keras.Sequential([keras.Input(input_shape), *layers])
+    return {
+        "dense": sequential((5,), keras.layers.Dense(4, activation="relu"),
+                            keras.layers.Dense(2)),
+        "dense_positions": sequential(
+            (4, 3), keras.layers.Dense(4, use_bias=False),
+            keras.layers.Flatten(), keras.layers.Dense(2)),
+        "conv1d_causal": sequential(
+            (9, 2), keras.layers.Conv1D(3, 3, padding="causal",
+                                        dilation_rate=2, activation="tanh"),
+            keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)),
+        "conv2d": sequential(
+            (7, 7, 2), keras.layers.Rescaling(0.5),
+            keras.layers.Conv2D(3, 3, strides=2, padding="same"),
+            keras.layers.Flatten(), keras.layers.Dense(2)),
+        "conv3d": sequential(
+            (4, 4, 4, 1), keras.layers.Conv3D(2, 2, use_bias=False),
+            keras.layers.Flatten(), keras.layers.Dense(2)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_first_layer_models()))
+def test_first_layer_on_a_shared_input_is_one_wide_layer(name):
+    model = _first_layer_models()[name]
+    array = hftatf.fuse(model, 3)
+    weighted = [layer for layer in array.layers if layer.weights]
+    assert weighted[0].shared_input
+    assert not any(isinstance(layer, hftatf.layers.BroadcastToModels)
+                   for layer in array.layers)
+    # Trained side by side with its stock twins, step for step.
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(12, *model.input_shape[1:])).astype("float32")
+    y = rng.normal(size=(12, 2)).astype("float32")
+    stock = array.unfuse()
+    rates = [0.05, 0.1, 0.02]
+    array.compile(hftatf.optimizers.SGD(rates), loss="mse")
+    array.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    for b, twin in enumerate(stock):
+        twin.compile(keras.optimizers.SGD(rates[b]), loss="mse")
+        twin.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        for ours, theirs in zip(array.unfuse()[b].weights, twin.weights):
+            assert_close(ours, theirs, err_msg=f"model {b} {theirs.path}")
+    assert_close(array.predict(x, verbose=0)[:, 1],
+                 stock[1].predict(x, verbose=0))
+
+
+def test_wide_first_layer_survives_saving(tmp_path):
+    array = hftatf.fuse(_first_layer_models()["conv2d"], 2)
+    x = np.random.default_rng(4).normal(size=(3, 7, 7, 2)).astype("float32")
+    path = tmp_path / "array.keras"
+    array.save(path)
+    loaded = keras.models.load_model(path)
+    first = [layer for layer in loaded.layers if layer.weights][0]
+    assert first.shared_input
+    assert_close(loaded.predict(x, verbose=0), array.predict(x, verbose=0))
+
+
+def test_shared_input_is_broadcast_where_no_wide_layer_fits():
+    grouped = keras.Sequential([
+        keras.Input((5, 5, 4)), keras.layers.Conv2D(2, 3, groups=2),
+        keras.layers.Flatten(), keras.layers.Dense(2)])
+    array = hftatf.fuse(grouped, 2)
+    kinds = [type(layer).__name__ for layer in array.layers]
+    assert kinds[:3] == ["InputLayer", "BroadcastToModels", "FusedConv2D"]
+    assert not array.layers[2].shared_input
+    # One layer called on the shared input and on its own output: one
+    # layout for its weights, so the input is broadcast.
+    x = keras.Input((3,))
+    twice = keras.layers.Dense(3)
+    array = hftatf.fuse(keras.Model(x, twice(twice(x))), 2)
+    assert any(isinstance(layer, hftatf.layers.BroadcastToModels)
+               for layer in array.layers)
+    # Per-model inputs have the model axis already.
+    array = hftatf.fuse(_first_layer_models()["dense"], 2,
+                        shared_inputs=False)
+    assert not any(getattr(layer, "shared_input", False)
+                   for layer in array.layers)
+
+
+def test_shared_input_layers_refuse_what_they_cannot_compute():
+    with pytest.raises(ValueError, match="groups=1"):
+        hftatf.layers.FusedConv2D(2, filters=4, kernel_size=3, groups=2,
+                                  shared_input=True)
+    with pytest.raises(ValueError, match="shared input"):
+        hftatf.layers.registry.fuse_layer(
+            keras.layers.LayerNormalization(), 2, shared_input=True)
+    layer = hftatf.layers.FusedConv2D(2, filters=4, kernel_size=3,
+                                      shared_input=True)
+    with pytest.raises(ValueError, match="shared by all models"):
+        layer.build((None, 2, 5, 5, 3))
+
+
+def test_wide_dense_passes_a_shared_mask_to_every_model():
+    layer = hftatf.layers.FusedDense(3, 2, shared_input=True)
+    x = np.ones((2, 4, 5), "float32")
+    mask = np.array([[True, True, False, False], [True, False, False, False]])
+    assert layer(x).shape == (2, 3, 4, 2)
+    fused_mask = np.asarray(layer.compute_mask(x, mask))
+    assert fused_mask.shape == (2, 3, 4)
+    assert (fused_mask == mask[:, None]).all()
 
 
 def test_initial_models_differ():

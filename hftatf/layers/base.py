@@ -102,9 +102,20 @@ class FusedLayer(keras.layers.Layer):
         )
 
     @classmethod
-    def from_stock(cls, layer, num_models):
-        """Builds the fused form of the stock `layer` (weights not copied)."""
-        return cls.from_config({**layer.get_config(), "num_models": num_models})
+    def from_stock(cls, layer, num_models, **kwargs):
+        """Builds the fused form of the stock `layer` (weights not copied);
+        `kwargs` are arguments of the fused form only (`shared_input`)."""
+        return cls.from_config(
+            {**layer.get_config(), "num_models": num_models, **kwargs})
+
+    @classmethod
+    def fuses_shared_input(cls, layer):
+        """Whether the fused form of the stock `layer` can take one input
+        batch shared by all models (`shared_input=True`): the B models are
+        then one wide stock layer, and no copy of the input per model is
+        made. Fused layers that can override this."""
+        del layer
+        return False
 
     def add_model_weight(self, shape, name, initializer, regularizer=None,
                          constraint=None, trainable=True, dtype=None,

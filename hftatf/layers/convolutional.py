@@ -37,6 +37,12 @@ folded 3x3 depthwise convolutions on 64x16x16x64 inputs took 0.49x the
 processor time of 8 stock ones, 0.56x when per model; under XLA 0.66x
 against 1.00x).
 
+A convolution whose input is one batch shared by all models (the first
+convolution of an image model, after its shared input) is neither: with
+`shared_input=True` the B kernels side by side on the output-channel axis
+are one stock convolution of `B * filters` filters, with no copy of the
+input per model (`hftatf.fuse` builds such convolutions this way).
+
 Per-model kernels take their slices with one `unstack` of the input and
 return them with one `stack`, adding each model's bias as the stock layer
 does; folded kernels add the bias in the folded layout, where it is one
@@ -231,7 +237,7 @@ class _FusedConvolution(FusedLayer):
         self.bias_constraint = keras.constraints.get(bias_constraint)
 
     @classmethod
-    def from_stock(cls, layer, num_models):
+    def from_stock(cls, layer, num_models, **kwargs):
         # Checked here, as Keras's `from_config` turns errors into TypeErrors.
         if layer.data_format != "channels_last":
             raise ValueError(
@@ -242,7 +248,7 @@ class _FusedConvolution(FusedLayer):
                 "data_format='channels_last' (or call keras.config."
                 "set_image_data_format('channels_last') before building it)."
             )
-        return super().from_stock(layer, num_models)
+        return super().from_stock(layer, num_models, **kwargs)
 
     def _check_strides_with_dilation(self):
         # As the stock layer: TensorFlow's convolutions refuse both at once.
@@ -414,6 +420,10 @@ class FusedBaseConv(_FusedConvolution):
             channels_first is refused.
         implementation: `"auto"`, `"grouped"` or `"per_model"`: the kernel
             that computes the B convolutions (module docstring).
+        shared_input: whether the input is one batch shared by all models,
+            `[batch, *spatial, channels]` (no model axis): the B models are
+            then one stock convolution of `B * filters` filters. Needs
+            `groups=1`.
     """
 
     def __init__(self, num_models, rank, filters, kernel_size, strides=1,
@@ -423,7 +433,7 @@ class FusedBaseConv(_FusedConvolution):
                  bias_initializer="zeros", kernel_regularizer=None,
                  bias_regularizer=None, activity_regularizer=None,
                  kernel_constraint=None, bias_constraint=None,
-                 implementation="auto", **kwargs):
+                 implementation="auto", shared_input=False, **kwargs):
         super().__init__(
             num_models, rank, kernel_size, strides, padding, data_format,
             dilation_rate, activation, use_bias, bias_initializer,
@@ -436,12 +446,17 @@ class FusedBaseConv(_FusedConvolution):
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
         self.implementation = _check_implementation(
             type(self).__name__, implementation)
+        self.shared_input = bool(shared_input)
         _check_filters(filters)
         if groups <= 0:
             raise ValueError(
                 "The number of groups must be a positive integer. "
                 f"Received: groups={groups}."
             )
+        if self.shared_input and groups != 1:
+            raise ValueError(
+                f"{type(self).__name__} takes a shared input only with "
+                f"groups=1. Received: groups={groups}, shared_input=True.")
         if filters is not None and filters % groups != 0:
             raise ValueError(
                 "The number of filters must be evenly divisible by the "
@@ -450,8 +465,26 @@ class FusedBaseConv(_FusedConvolution):
             )
         self._check_strides_with_dilation()
 
+    @classmethod
+    def fuses_shared_input(cls, layer):
+        return layer.groups == 1
+
+    def _shared_input_channels(self, input_shape):
+        """Checks a shared `[batch, *spatial, C]` input; returns `C`."""
+        input_shape = tuple(input_shape)
+        if len(input_shape) != self.rank + 2 or input_shape[-1] is None:
+            raise ValueError(
+                f"Layer '{self.name}' ({type(self).__name__}) with "
+                "shared_input=True expects one batch shared by all models, "
+                f"of rank {self.rank + 2} with a known channel axis (the "
+                f"last). Received input shape {input_shape}.")
+        self.input_spec = keras.layers.InputSpec(
+            ndim=self.rank + 2, axes={-1: input_shape[-1]})
+        return input_shape[-1]
+
     def build(self, input_shape):
-        channels = self._input_channels(input_shape)
+        channels = (self._shared_input_channels(input_shape)
+                    if self.shared_input else self._input_channels(input_shape))
         if channels % self.groups != 0:
             raise ValueError(
                 "The number of input channels must be evenly divisible by "
@@ -475,10 +508,17 @@ class FusedBaseConv(_FusedConvolution):
         if padding == "causal":
             # As stock Conv1D: pad on the left, then a valid convolution.
             left = self.dilation_rate[0] * (self.kernel_size[0] - 1)
-            inputs = ops.pad(inputs, [[0, 0], [0, 0], [left, 0], [0, 0]])
+            inputs = ops.pad(inputs, [[0, 0]] * (len(inputs.shape) - 2)
+                             + [[left, 0], [0, 0]])
             padding = "valid"
         arguments = self._conv_arguments(padding)
-        if _uses_grouped_kernel(self.implementation):
+        if self.shared_input:
+            # Model b's filters at b*F .. b*F + F - 1 of one stock
+            # convolution.
+            outputs = _unfold(self._add_folded_bias(ops.conv(
+                inputs, _models_into_axis(self.kernel, -1), **arguments)),
+                self.num_models)
+        elif _uses_grouped_kernel(self.implementation):
             # Model b's input channels form groups b*g .. b*g + g - 1 and
             # meet exactly its filters: one convolution, B * groups groups.
             outputs = _unfold(self._add_folded_bias(ops.conv(
@@ -492,8 +532,10 @@ class FusedBaseConv(_FusedConvolution):
         return self._activate(outputs)
 
     def compute_output_shape(self, input_shape):
+        per_model = (tuple(input_shape) if self.shared_input
+                     else self._per_model_shape(input_shape))
         return self._fused_shape(compute_conv_output_shape(
-            self._per_model_shape(input_shape), self.filters,
+            per_model, self.filters,
             self.kernel_size, strides=self.strides, padding=self.padding,
             data_format=self.data_format, dilation_rate=self.dilation_rate))
 
@@ -502,6 +544,7 @@ class FusedBaseConv(_FusedConvolution):
         config.update({
             "filters": self.filters,
             "groups": self.groups,
+            "shared_input": self.shared_input,
             "kernel_initializer": keras.initializers.serialize(
                 self.kernel_initializer),
             "kernel_regularizer": keras.regularizers.serialize(

@@ -93,6 +93,27 @@ def per_model_matmul(inputs, kernel, bias=None):
     return ops.reshape(outputs, (*shape[:-1], size_out))
 
 
+def shared_matmul(inputs, kernel, bias=None):
+    """`x @ kernel[b] + bias[b]` for every model `b` on one input batch all
+    models share: `[batch, ..., in]`, `[B, in, out]` and `[B, out]` (or
+    None) -> `[batch, B, ..., out]`.
+
+    The B kernels side by side are one wide stock kernel `[in, B * out]`:
+    one matmul (and one for the kernels' gradient), where the per-model form
+    would first copy the input once per model. Each output is the stock
+    product of the input and that model's kernel.
+    """
+    num_models, size_in, size_out = kernel.shape
+    wide = ops.reshape(ops.transpose(kernel, (1, 0, 2)),
+                       (size_in, num_models * size_out))
+    outputs = ops.matmul(inputs, wide)
+    if bias is not None:
+        outputs = ops.add(outputs, ops.reshape(bias, (-1,)))
+    shape = ops.shape(inputs)
+    outputs = ops.reshape(outputs, (*shape[:-1], num_models, size_out))
+    return ops.moveaxis(outputs, -2, 1) if len(inputs.shape) > 2 else outputs
+
+
 def add_per_model(outputs, values):
     """`outputs` (`[batch, B, ..., n]`) plus each model's `values[b]`
     (`[B, n]`), as a stock layer adds its bias to every position.
@@ -138,6 +159,11 @@ class FusedDense(FusedLayer):
     `[in_features, units]`). Masks pass through unchanged, as in the stock
     layer.
 
+    With `shared_input=True` the input is one batch that every model reads,
+    `[batch, ..., in_features]` (no model axis), and the B models are one
+    wide stock Dense of `B * units` (`shared_matmul`). `hftatf.fuse` builds
+    the first Dense after a shared input this way.
+
     Args:
         num_models: the number of models `B` in the array.
         units, activation, use_bias, kernel_initializer, bias_initializer,
@@ -147,6 +173,8 @@ class FusedDense(FusedLayer):
         lora_rank, lora_alpha, quantization_config: accepted for signature
             parity with `keras.layers.Dense`; must be `None` (LoRA and
             quantization are not supported in arrays).
+        shared_input: whether the input is one batch shared by all models
+            (`[batch, ..., in_features]`) rather than `[batch, B, ...]`.
     """
 
     def __init__(
@@ -165,6 +193,7 @@ class FusedDense(FusedLayer):
         lora_rank=None,
         lora_alpha=None,
         quantization_config=None,
+        shared_input=False,
         **kwargs,
     ):
         super().__init__(
@@ -193,13 +222,23 @@ class FusedDense(FusedLayer):
         self.bias_regularizer = keras.regularizers.get(bias_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
         self.bias_constraint = keras.constraints.get(bias_constraint)
-        self.input_spec = keras.layers.InputSpec(min_ndim=3)
+        self.shared_input = bool(shared_input)
+        self.input_spec = keras.layers.InputSpec(
+            min_ndim=2 if self.shared_input else 3)
         self.supports_masking = True
 
+    @classmethod
+    def fuses_shared_input(cls, layer):
+        return True
+
     def build(self, input_shape):
-        check_model_axis(self.name, self.num_models, input_shape)
-        self.input_spec = keras.layers.InputSpec(
-            min_ndim=3, axes={1: self.num_models, -1: input_shape[-1]})
+        if self.shared_input:
+            self.input_spec = keras.layers.InputSpec(
+                min_ndim=2, axes={-1: input_shape[-1]})
+        else:
+            check_model_axis(self.name, self.num_models, input_shape)
+            self.input_spec = keras.layers.InputSpec(
+                min_ndim=3, axes={1: self.num_models, -1: input_shape[-1]})
         self.kernel = self.add_model_weight(
             (input_shape[-1], self.units),
             name="kernel",
@@ -218,13 +257,26 @@ class FusedDense(FusedLayer):
             )
 
     def call(self, inputs, training=None):
-        outputs = per_model_matmul(inputs, self.kernel, self.bias)
+        if self.shared_input:
+            outputs = shared_matmul(inputs, self.kernel, self.bias)
+        else:
+            outputs = per_model_matmul(inputs, self.kernel, self.bias)
         if self.activation is not None:
             outputs = self.activation(outputs)
         return outputs
 
     def compute_output_shape(self, input_shape):
+        if self.shared_input:
+            return (input_shape[0], self.num_models, *input_shape[1:-1],
+                    self.units)
         return (*input_shape[:-1], self.units)
+
+    def compute_mask(self, inputs, mask=None):
+        if mask is not None and self.shared_input:
+            # As BroadcastToModels gives a shared input's mask to every model.
+            return ops.repeat(ops.expand_dims(mask, 1), self.num_models,
+                              axis=1)
+        return mask
 
     def get_config(self):
         config = super().get_config()
@@ -244,6 +296,7 @@ class FusedDense(FusedLayer):
                 self.kernel_constraint),
             "bias_constraint": keras.constraints.serialize(
                 self.bias_constraint),
+            "shared_input": self.shared_input,
         })
         return config
 

@@ -47,9 +47,20 @@ def fused_form(layer):
         ) from None
 
 
-def fuse_layer(layer, num_models):
-    """Returns the fused form of the stock `layer` (weights not copied)."""
-    return fused_form(layer).from_stock(layer, num_models)
+def fuse_layer(layer, num_models, shared_input=False):
+    """Returns the fused form of the stock `layer` (weights not copied).
+
+    With `shared_input`, the fused layer takes the input batch all models
+    share (`[batch, ...]`, no model axis); only layers whose fused form
+    `fuses_shared_input(layer)` can.
+    """
+    if not shared_input:
+        return fused_form(layer).from_stock(layer, num_models)
+    if not fused_form(layer).fuses_shared_input(layer):
+        raise ValueError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) has no fused form "
+            "that takes a shared input.")
+    return fused_form(layer).from_stock(layer, num_models, shared_input=True)
 
 
 def supported_layers():
