@@ -131,24 +131,11 @@ def _finite_per_model(tensors, num_models):
     return finite
 
 
-def _model_slice(tensor, index):
-    """`tensor[:, index]`, keeping the logits Keras caches on softmax and
-    sigmoid outputs (its crossentropy reads them for exactness)."""
-    sliced = tensor[:, index]
-    logits = getattr(tensor, "_keras_logits", None)
-    if logits is not None:
-        try:
-            sliced._keras_logits = logits[:, index]
-        except AttributeError:
-            pass
-    return sliced
-
-
 def _model_slices(tensor, num_models):
     """`[tensor[:, b] for b in range(num_models)]` from one `unstack`, whose
     gradient is one `stack`: B separate slices would cost B gradients of
-    the size of the whole tensor. Keeps the cached logits, as
-    `_model_slice` does."""
+    the size of the whole tensor. Keeps the logits Keras caches on softmax
+    and sigmoid outputs (its crossentropy reads them for exactness)."""
     slices = ops.unstack(tensor, num_models, axis=1)
     logits = getattr(tensor, "_keras_logits", None)
     if logits is not None:
@@ -416,9 +403,10 @@ class FusedModel(keras.Model):
         losses = self.compute_model_losses(x, y, y_pred, sample_weight,
                                            training=False)
         if self._model_metrics is not None and y is not None:
+            preds = self._model_predictions(y_pred)
             for index, metrics in enumerate(self._model_metrics):
                 metrics.update_state(*self._model_targets(
-                    y, y_pred, sample_weight, index))
+                    y, y_pred, sample_weight, index, preds[index]))
         return losses
 
     def compile_from_config(self, config):
@@ -492,14 +480,19 @@ class FusedModel(keras.Model):
                 "Pass per_model_labels=True or False to compile() to say.")
         return bool(self._per_model_labels)
 
-    def _model_targets(self, y, y_pred, sample_weight, index, training=False,
-                       pred=None):
-        """Model `index`'s slice of predictions, labels and sample weights
-        (times its class weights while `fit` applies them). `pred`: the
-        slice of `y_pred`, when the caller has it."""
-        if pred is None:
-            pred = keras.tree.map_structure(
-                lambda t: _model_slice(t, index), y_pred)
+    def _model_predictions(self, y_pred):
+        """Each model's predictions (`y_pred[:, b]` of every output), from
+        one `unstack` per output."""
+        flat = [_model_slices(t, self.num_models)
+                for t in keras.tree.flatten(y_pred)]
+        return [keras.tree.pack_sequence_as(y_pred, [s[b] for s in flat])
+                for b in range(self.num_models)]
+
+    def _model_targets(self, y, y_pred, sample_weight, index, pred,
+                       training=False):
+        """Model `index`'s predictions `pred` (its slice of `y_pred`), with
+        its slice of the labels and sample weights (times its class weights
+        while `fit` applies them)."""
         flat_pred = keras.tree.flatten(y_pred)
         labels = None
         if y is not None:
@@ -558,13 +551,11 @@ class FusedModel(keras.Model):
         """
         del x
         losses = []
-        flat_slices = [_model_slices(t, self.num_models)
-                       for t in keras.tree.flatten(y_pred)]
+        preds = self._model_predictions(y_pred)
         for index in range(self.num_models):
             labels, pred, weights = self._model_targets(
-                y, y_pred, sample_weight, index, training=training,
-                pred=keras.tree.pack_sequence_as(
-                    y_pred, [slices[index] for slices in flat_slices]))
+                y, y_pred, sample_weight, index, preds[index],
+                training=training)
             loss = None
             if self._model_losses is not None:
                 loss = self._model_losses[index](labels, pred, weights)
@@ -730,9 +721,11 @@ class FusedModel(keras.Model):
         self._model_loss_tracker.update_state(
             unscale_loss_for_distribution(losses), sample_weight=batch_size)
         if self._model_metrics is not None and y is not None:
+            preds = self._model_predictions(y_pred)
             for index, metrics in enumerate(self._model_metrics):
                 labels, pred, weights = self._model_targets(
-                    y, y_pred, sample_weight, index, training=training)
+                    y, y_pred, sample_weight, index, preds[index],
+                    training=training)
                 metrics.update_state(labels, pred, weights)
         return self.get_metrics_result()
 
