@@ -220,33 +220,30 @@ def _check_arguments(width, num_points, required):
 
 
 _SHAPES_DEFAULTS = {"num_points": 256, "samples_per_shape": 100}
-recipes.register(recipes.Recipe(
-    name="pointnet",
-    build=pointnet,
+# Both tasks train on the parametric shapes with the same recipe.
+_SHAPES_RECIPE = dict(
     data=data.shapes,
     loss="sparse_categorical_crossentropy",
     metrics=("accuracy",),
     optimizer="adam",
     learning_rate=1e-3,
     epochs=20,
+    monitor="val_accuracy",
+    monitor_mode="max",
+)
+recipes.register(recipes.Recipe(
+    name="pointnet",
+    build=pointnet,
     model_args={"num_points": 256, "num_classes": len(data.SHAPES),
                 "width": 0.25},
     data_args=dict(_SHAPES_DEFAULTS),
-    monitor="val_accuracy",
-    monitor_mode="max",
+    **_SHAPES_RECIPE,
 ))
 recipes.register(recipes.Recipe(
     name="pointnet_seg",
     build=pointnet_segmentation,
-    data=data.shapes,
-    loss="sparse_categorical_crossentropy",
-    metrics=("accuracy",),
-    optimizer="adam",
-    learning_rate=1e-3,
-    epochs=20,
     model_args={"num_points": 256, "num_parts": data.num_parts(),
                 "width": 0.25},
     data_args={**_SHAPES_DEFAULTS, "segmentation": True},
-    monitor="val_accuracy",
-    monitor_mode="max",
+    **_SHAPES_RECIPE,
 ))
