@@ -9,7 +9,9 @@ weights) of
   * stock: B stock layers, each stepped on its own input in turn, as B
     models trained one after another run it;
   * fused: the fused form of the layer (`hftatf.layers.registry`) on the
-    `[batch, B, ...]` input of all B.
+    `[batch, B, ...]` input of all B; with `--shared_input`, every model
+    reads one batch, and the fused side is the one wide layer that
+    `hftatf.fuse` builds on a shared input (a Dense or convolution).
 
 Both run in this process, in rounds that alternate stock and fused, and
 the speedups are medians of the ratios of side-by-side rounds, in
@@ -22,6 +24,8 @@ norm, activations) lose what the array saves in kernel launches.
     python -m benchmarks.layers                       # the default cases
     python -m benchmarks.layers --layer Dense --config units=256,use_bias=false \\
         --input_shape 64,256,32 --num_models 1,2,8 --jit false,true
+    python -m benchmarks.layers --layer Conv2D --config filters=16,kernel_size=3 \\
+        --input_shape 64,32,32,3 --shared_input
 """
 
 import argparse
@@ -75,6 +79,9 @@ def parse_args(argv):
     parser.add_argument("--jit", default="false",
                         help="comma-separated jit_compile settings of both "
                              "sides: false, true")
+    parser.add_argument("--shared_input", action="store_true",
+                        help="every model reads the same batch; the fused "
+                             "side is one wide layer (Dense, convolutions)")
     parser.add_argument("--steps", type=int, default=10,
                         help="steps per model and side in one round")
     parser.add_argument("--rounds", type=int, default=5,
@@ -138,16 +145,20 @@ def _time(function, steps):
 
 
 def measure_case(name, config, shape, num_models, jit_compile, steps, rounds,
-                 seed=0):
+                 seed=0, shared_input=False):
     """One row: the case's stock and fused timings (medians over rounds)
-    and speedups."""
+    and speedups. With `shared_input`, every model reads one batch."""
     rng = np.random.default_rng(seed)
     inputs = [tf.constant(rng.standard_normal(shape, dtype="float32"))
-              for _ in range(num_models)]
+              for _ in range(1 if shared_input else num_models)]
     stock = [stock_layer(name, config) for _ in range(num_models)]
     stock_steps = [training_step(layer, jit_compile) for layer in stock]
-    fused_layer = registry.fuse_layer(stock[0], num_models)
-    fused_inputs = tf.stack(inputs, axis=1)
+    fused_layer = registry.fuse_layer(stock[0], num_models,
+                                      shared_input=shared_input)
+    if shared_input:
+        fused_inputs, inputs = inputs[0], inputs * num_models
+    else:
+        fused_inputs = tf.stack(inputs, axis=1)
     fused_step = training_step(fused_layer, jit_compile)
 
     def run_stock():
@@ -170,6 +181,7 @@ def measure_case(name, config, shape, num_models, jit_compile, steps, rounds,
     bytes_per_model = 4 * int(np.prod(stock_output))
     row = {"layer": name, "config": config, "input_shape": shape,
            "num_models": num_models, "jit_compile": jit_compile,
+           "shared_input": shared_input,
            "model_output_mib": bytes_per_model / 2**20,
            "array_output_mib": num_models * bytes_per_model / 2**20}
     for index, unit in enumerate(("wall", "cpu")):
@@ -187,7 +199,8 @@ def measure_case(name, config, shape, num_models, jit_compile, steps, rounds,
 def _describe(row):
     config = ",".join(f"{k}={v}" for k, v in row["config"].items())
     shape = "x".join(str(d) for d in row["input_shape"])
-    return f"{row['layer']}({config}) on {shape}"
+    shared = " (shared)" if row.get("shared_input") else ""
+    return f"{row['layer']}({config}) on {shape}{shared}"
 
 
 def print_header():
@@ -212,9 +225,9 @@ def main(argv=None):
         for jit_compile in args.jit:
             for num_models in args.num_models:
                 keras.backend.clear_session()
-                rows.append(measure_case(name, config, shape, num_models,
-                                         jit_compile, args.steps,
-                                         args.rounds))
+                rows.append(measure_case(
+                    name, config, shape, num_models, jit_compile, args.steps,
+                    args.rounds, shared_input=args.shared_input))
                 print_row(rows[-1])
     return rows
 

@@ -63,6 +63,18 @@ def test_measure_case_times_both_sides(name, config, shape):
     assert row["array_output_mib"] == pytest.approx(2 * expected)
 
 
+@pytest.mark.parametrize("name,config,shape", [
+    ("Dense", {"units": 3}, (4, 5)),
+    ("Conv2D", {"filters": 2, "kernel_size": 3}, (2, 5, 5, 3)),
+])
+def test_measure_case_with_a_shared_input(name, config, shape):
+    row = layers.measure_case(name, config, shape, num_models=2,
+                              jit_compile=False, steps=1, rounds=1,
+                              shared_input=True)
+    assert row["shared_input"] and row["cpu_speedup"] > 0
+    assert layers._describe(row).endswith("(shared)")
+
+
 def test_main_prints_a_row_per_setting(capsys):
     rows = layers.main(["--layer", "Activation", "--config",
                         "activation=relu", "--input_shape", "2,3",
