@@ -293,10 +293,11 @@ class _FusedConvolution(FusedLayer):
                 constraint=self.bias_constraint,
             )
 
-    def _per_model(self, convolution, inputs, *kernels):
+    def _per_model(self, convolution, inputs, *kernels, shared=False):
         """Model `b`'s stock convolution and bias on its own input slice,
         for every `b`: `convolution(x[:, b], *(k[b] for k in kernels))`,
-        stacked on axis 1.
+        stacked on axis 1; on `x` itself for an input all models share
+        (`shared`).
 
         The slices come from one `unstack` (and go back with one `stack`),
         whose gradients are one `stack` and one `unstack`: slicing `x[:, b]`
@@ -312,12 +313,19 @@ class _FusedConvolution(FusedLayer):
         biases = (unstack(self.bias, 0) if self.bias is not None
                   else [None] * self.num_models)
         outputs = []
-        for index, x in enumerate(unstack(inputs, 1)):
+        slices = ([inputs] * self.num_models if shared
+                  else unstack(inputs, 1))
+        for index, x in enumerate(slices):
             y = convolution(x, *(k[index] for k in per_kernel))
             if biases[index] is not None:
-                # As the stock layer adds its bias (a TensorFlow BiasAdd).
-                y = ops.add(y, ops.reshape(biases[index],
-                                           (1,) * (self.rank + 1) + (-1,)))
+                bias = ops.reshape(biases[index],
+                                   (1,) * (self.rank + 1) + (-1,))
+                # As the stock layer adds its bias (a TensorFlow BiasAdd),
+                # except on a shared input: there TensorFlow's CPU graph
+                # optimizer fuses each BiasAdd gradient into a filter
+                # gradient of the same input, and can pair them across
+                # models (the biases then train wrongly).
+                y = y + bias if shared else ops.add(y, bias)
             outputs.append(y)
         if self.num_models == 1:
             return ops.expand_dims(outputs[0], 1)
@@ -512,13 +520,20 @@ class FusedBaseConv(_FusedConvolution):
                              + [[left, 0], [0, 0]])
             padding = "valid"
         arguments = self._conv_arguments(padding)
-        if self.shared_input:
+        grouped = _uses_grouped_kernel(self.implementation)
+        if self.shared_input and grouped:
             # Model b's filters at b*F .. b*F + F - 1 of one stock
             # convolution.
             outputs = _unfold(self._add_folded_bias(ops.conv(
                 inputs, _models_into_axis(self.kernel, -1), **arguments)),
                 self.num_models)
-        elif _uses_grouped_kernel(self.implementation):
+        elif self.shared_input:
+            # On CPU, moving the model axis out of the wide output costs
+            # more than B convolutions of the shared batch.
+            outputs = self._per_model(
+                lambda x, kernel: ops.conv(x, kernel, **arguments),
+                inputs, self.kernel, shared=True)
+        elif grouped:
             # Model b's input channels form groups b*g .. b*g + g - 1 and
             # meet exactly its filters: one convolution, B * groups groups.
             outputs = _unfold(self._add_folded_bias(ops.conv(
