@@ -101,8 +101,9 @@ def _first_layer_models():
     }
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
 @pytest.mark.parametrize("name", sorted(_first_layer_models()))
-def test_first_layer_on_a_shared_input_is_one_wide_layer(name):
+def test_first_layer_on_a_shared_input_is_one_wide_layer(name, jit_compile):
     model = _first_layer_models()[name]
     array = hftatf.fuse(model, 3)
     weighted = [layer for layer in array.layers if layer.weights]
@@ -115,7 +116,10 @@ def test_first_layer_on_a_shared_input_is_one_wide_layer(name):
     y = rng.normal(size=(12, 2)).astype("float32")
     stock = array.unfuse()
     rates = [0.05, 0.1, 0.02]
-    array.compile(hftatf.optimizers.SGD(rates), loss="mse")
+    # With and without XLA: the shared-input layers compute differently
+    # for each.
+    array.compile(hftatf.optimizers.SGD(rates), loss="mse",
+                  jit_compile=jit_compile)
     array.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
     for b, twin in enumerate(stock):
         twin.compile(keras.optimizers.SGD(rates[b]), loss="mse")
