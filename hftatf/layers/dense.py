@@ -51,9 +51,12 @@ def per_model_matmul(inputs, kernel, bias=None):
     if num_models == 1:
         # TensorFlow's oneDNN batched matmul also crashes on CPU when every
         # batch axis of the kernel broadcasts, as `[1, 1, in, out]` would.
-        outputs = ops.matmul(ops.squeeze(inputs, 1), kernel[0])
+        # Reshapes, not `kernel[0]`: a slice's gradient is a zero-filled
+        # copy, a reshape's a reshape.
+        outputs = ops.matmul(ops.squeeze(inputs, 1),
+                             ops.reshape(kernel, (size_in, size_out)))
         if bias is not None:
-            outputs = ops.add(outputs, bias[0])
+            outputs = ops.add(outputs, ops.reshape(bias, (size_out,)))
         return ops.expand_dims(outputs, 1)
     xla = compiling_with_xla()
     if len(inputs.shape) == 3:
@@ -115,8 +118,9 @@ def shared_matmul(inputs, kernel, bias=None):
             ops.broadcast_to(ops.expand_dims(inputs, 1),
                              (shape[0], num_models, *shape[1:])),
             kernel, bias)
-    wide = ops.reshape(ops.transpose(kernel, (1, 0, 2)),
-                       (size_in, num_models * size_out))
+    if num_models > 1:
+        kernel = ops.transpose(kernel, (1, 0, 2))
+    wide = ops.reshape(kernel, (size_in, num_models * size_out))
     outputs = ops.matmul(inputs, wide)
     if bias is not None:
         outputs = ops.add(outputs, ops.reshape(bias, (-1,)))
