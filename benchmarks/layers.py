@@ -114,6 +114,12 @@ def parse_args(argv):
         except ValueError as error:
             parser.error(str(error))
         args.cases = [(args.layer, config, shape)]
+    if args.shared_input:
+        for name, config, _ in args.cases:
+            if not registry.takes_shared_input(stock_layer(name, config)):
+                parser.error(f"{name} has no fused form that takes a "
+                             "shared input (--shared_input): a Dense or a "
+                             "convolution with groups=1 does")
     return args
 
 

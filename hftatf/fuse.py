@@ -188,36 +188,29 @@ class _Walker:
             outputs = self._stock_copies[id(layer)][1](*args, **kwargs)
             self._mark(outputs, True)
             return outputs
-        if self._takes_shared_input(layer, args, kwargs):
-            # One wide stock layer for all models: no per-model copies of
-            # the shared input.
-            fused = registry.fuse_layer(layer, self.num_models,
-                                        shared_input=True)
-            self._fused[id(layer)] = (layer, fused)
-            outputs = fused(*args, **kwargs)
-            self._mark(outputs, False)
-            return outputs
-        args, kwargs = keras.tree.map_structure(self.per_model, (args, kwargs))
+        # A Dense or convolution on a shared tensor takes it as it is: no
+        # per-model copies of the shared input.
+        shared = self._takes_shared_input(layer, args, tensors)
+        if not shared:
+            args, kwargs = keras.tree.map_structure(
+                self.per_model, (args, kwargs))
         if id(layer) not in self._fused:
-            self._fused[id(layer)] = (
-                layer, registry.fuse_layer(layer, self.num_models))
+            self._fused[id(layer)] = (layer, registry.fuse_layer(
+                layer, self.num_models, shared_input=shared))
         outputs = self._fused[id(layer)][1](*args, **kwargs)
         self._mark(outputs, False)
         return outputs
 
-    def _takes_shared_input(self, layer, args, kwargs):
-        """Whether `layer` is called once, on one shared tensor, and has a
+    def _takes_shared_input(self, layer, args, tensors):
+        """Whether `layer` is called once, on one shared tensor (`args` is
+        that tensor alone; `tensors` all tensors of the call), and has a
         fused form that takes it as it is (a Dense or convolution)."""
-        tensors = [t for t in keras.tree.flatten((args, kwargs))
-                   if isinstance(t, keras.KerasTensor)]
         return (len(args) == 1 and tensors == [args[0]]
                 and self._is_shared(args[0])
                 # Called once in the stock graph: a layer applied to shared
                 # and per-model tensors needs one layout for its weights.
                 and self._calls[id(layer)] == 1
-                and registry.is_supported(layer)
-                and getattr(registry.fused_form(layer), "fuses_shared_input",
-                            lambda _: False)(layer))
+                and registry.takes_shared_input(layer))
 
     def _call_operation(self, operation, *args, **kwargs):
         """A raw `keras.ops` node: once on shared tensors (it is

@@ -69,6 +69,12 @@ class Modelwise:
                           for b in range(self.num_models)])
 
 
+def repeat_for_models(tensor, num_models):
+    """A shared `[batch, ...]` tensor (an input or its mask) as every
+    model's: `[batch, B, ...]`."""
+    return ops.repeat(ops.expand_dims(tensor, 1), num_models, axis=1)
+
+
 def broadcast_to_models(values, ndim):
     """Reshapes a `[B]` vector to `[B, 1, ..., 1]` of rank `ndim`."""
     return ops.reshape(values, (-1,) + (1,) * (ndim - 1))

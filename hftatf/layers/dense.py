@@ -10,7 +10,7 @@ from tensorflow.python.ops import control_flow_util
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer
+from hftatf.layers.base import FusedLayer, repeat_for_models
 from hftatf.validation import check_model_axis
 
 
@@ -109,11 +109,11 @@ def shared_matmul(inputs, kernel, bias=None):
     the stock product of the input and that model's kernel.
     """
     num_models, size_in, size_out = kernel.shape
+    shape = ops.shape(inputs)
     if compiling_with_xla():
         # XLA fuses a broadcast into the per-model product, which it
         # compiles faster than the wide one (an MLP array of 8: 1.67 ms
         # against 1.91 ms of processor time per step).
-        shape = ops.shape(inputs)
         return per_model_matmul(
             ops.broadcast_to(ops.expand_dims(inputs, 1),
                              (shape[0], num_models, *shape[1:])),
@@ -124,7 +124,6 @@ def shared_matmul(inputs, kernel, bias=None):
     outputs = ops.matmul(inputs, wide)
     if bias is not None:
         outputs = ops.add(outputs, ops.reshape(bias, (-1,)))
-    shape = ops.shape(inputs)
     outputs = ops.reshape(outputs, (*shape[:-1], num_models, size_out))
     return ops.moveaxis(outputs, -2, 1) if len(inputs.shape) > 2 else outputs
 
@@ -175,9 +174,10 @@ class FusedDense(FusedLayer):
     layer.
 
     With `shared_input=True` the input is one batch that every model reads,
-    `[batch, ..., in_features]` (no model axis), and the B models are one
-    wide stock Dense of `B * units` (`shared_matmul`). `hftatf.fuse` builds
-    the first Dense after a shared input this way.
+    `[batch, ..., in_features]` (no model axis), computed without a copy
+    per model by `shared_matmul` (for TensorFlow's kernels one wide stock
+    Dense of `B * units`). `hftatf.fuse` builds the first Dense after a
+    shared input this way.
 
     Args:
         num_models: the number of models `B` in the array.
@@ -289,8 +289,7 @@ class FusedDense(FusedLayer):
     def compute_mask(self, inputs, mask=None):
         if mask is not None and self.shared_input:
             # As BroadcastToModels gives a shared input's mask to every model.
-            return ops.repeat(ops.expand_dims(mask, 1), self.num_models,
-                              axis=1)
+            return repeat_for_models(mask, self.num_models)
         return mask
 
     def get_config(self):

@@ -13,6 +13,7 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
+from hftatf.layers.base import repeat_for_models
 from hftatf.validation import check_model_axis, check_num_models
 
 # Stock layers without weights that treat every sample on its own.
@@ -221,12 +222,12 @@ class BroadcastToModels(keras.layers.Layer):
         self.supports_masking = True
 
     def call(self, inputs):
-        return ops.repeat(ops.expand_dims(inputs, 1), self.num_models, axis=1)
+        return repeat_for_models(inputs, self.num_models)
 
     def compute_mask(self, inputs, mask=None):
         if mask is None:
             return None
-        return ops.repeat(ops.expand_dims(mask, 1), self.num_models, axis=1)
+        return repeat_for_models(mask, self.num_models)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], self.num_models, *input_shape[1:])

@@ -47,16 +47,24 @@ def fused_form(layer):
         ) from None
 
 
+def takes_shared_input(layer):
+    """Whether the fused form of `layer` can take the input batch all
+    models share (`fuse_layer(..., shared_input=True)`)."""
+    return is_supported(layer) and getattr(
+        _FUSED_FORMS[type(layer)], "fuses_shared_input", lambda _: False)(
+            layer)
+
+
 def fuse_layer(layer, num_models, shared_input=False):
     """Returns the fused form of the stock `layer` (weights not copied).
 
     With `shared_input`, the fused layer takes the input batch all models
-    share (`[batch, ...]`, no model axis); only layers whose fused form
-    `fuses_shared_input(layer)` can.
+    share (`[batch, ...]`, no model axis); only layers that
+    `takes_shared_input` can.
     """
     if not shared_input:
         return fused_form(layer).from_stock(layer, num_models)
-    if not fused_form(layer).fuses_shared_input(layer):
+    if not takes_shared_input(layer):
         raise ValueError(
             f"Layer '{layer.name}' ({type(layer).__name__}) has no fused form "
             "that takes a shared input.")

@@ -37,6 +37,9 @@ def test_parse_args_reads_one_case():
     ["--num_models", "0"],
     ["--jit", "maybe"],
     ["--steps", "0"],
+    ["--shared_input"],
+    ["--layer", "LayerNormalization", "--input_shape", "2,3",
+     "--shared_input"],
 ])
 def test_parse_args_rejects_bad_input(argv):
     with pytest.raises(SystemExit):
