@@ -22,10 +22,12 @@ last-level cache while one model's fit in it, memory-bound layers (batch
 norm, activations) lose what the array saves in kernel launches.
 
     python -m benchmarks.layers                       # the default cases
-    python -m benchmarks.layers --layer Dense --config units=256,use_bias=false \\
-        --input_shape 64,256,32 --num_models 1,2,8 --jit false,true
-    python -m benchmarks.layers --layer Conv2D --config filters=16,kernel_size=3 \\
-        --input_shape 64,32,32,3 --shared_input
+    python -m benchmarks.layers --layer Dense \\
+        --config units=256,use_bias=false --input_shape 64,256,32 \\
+        --num_models 1,2,8 --jit false,true
+    python -m benchmarks.layers --layer Conv2D \\
+        --config filters=16,kernel_size=3 --input_shape 64,32,32,3 \\
+        --shared_input
 """
 
 import argparse

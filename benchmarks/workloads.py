@@ -22,7 +22,6 @@ import tensorflow as tf
 import hftatf
 from hftatf.models import dcgan, recipes
 
-
 # Array class name -> stock twin trained by `fit` as the array trains each
 # of its models.
 STOCK_TRAINERS = {"FusedGAN": dcgan.GAN}
