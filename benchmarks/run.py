@@ -60,7 +60,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The columns of results.csv.
 COLUMNS = (
     "model", "mode", "num_models", "batch_size", "steps", "epochs",
-    "repeats", "jit_compile", "samples_per_s", "samples_per_s_min",
+    "repeats", "jit_compile", "models_per_pass", "samples_per_s", "samples_per_s_min",
     "samples_per_s_max", "speedup", "speedup_min", "speedup_max",
     "cpu_samples_per_s", "cpu_speedup", "peak_rss_mb", "step_gflop",
     "gflop_per_s", "matmul_peak_gflop_per_s", "percent_of_peak",
@@ -109,6 +109,10 @@ def parse_args(argv):
                              "hftatf's default")
     parser.add_argument("--steps_per_execution", type=int, default=1,
                         help="of the array")
+    parser.add_argument("--models_per_pass", default="auto",
+                        help="of the array's training step: 'auto' "
+                             "(hftatf's default), 'all' (one pass) or an "
+                             "integer")
     parser.add_argument("--stock_steps_per_execution", type=int, default=1,
                         help="of the stock models")
     parser.add_argument("--model_args", default="",
@@ -162,6 +166,12 @@ def parse_args(argv):
     args.warmup_steps = _whole(args.warmup_steps, args.execution)
     if args.steps != "auto":
         args.steps = _whole(args.steps, args.execution)
+    if args.models_per_pass not in ("auto", "all"):
+        try:
+            args.models_per_pass = int(args.models_per_pass)
+        except ValueError:
+            parser.error("--models_per_pass must be 'auto', 'all' or an "
+                         f"integer; received {args.models_per_pass!r}")
     args.model_args = parse_overrides(args.model_args)
     args.data_args = parse_overrides(args.data_args)
     return args
@@ -283,7 +293,8 @@ def probe_model(args, name, base):
 
 def measure_mode(args, mode, num_models, spec):
     """`(seconds per round, processor seconds per round, peak RSS MiB,
-    jit)`: a round is `steps` steps of each of the B models."""
+    jit, models per pass)`: a round is `steps` steps of each of the B
+    models; models per pass is None for the stock modes."""
     if mode == "serial":
         result = run_worker({**spec, "task": "serial",
                              "num_models": num_models}, args.timeout)
@@ -292,14 +303,15 @@ def measure_mode(args, mode, num_models, spec):
         cpu_seconds = sum(_median(epochs)
                           for epochs in result["model_epoch_cpu_seconds"])
         return (seconds, cpu_seconds, result["peak_rss_mb"],
-                spec["jit_compile"])
+                spec["jit_compile"], None)
     if mode == "concurrent":
         results = run_concurrent(spec, num_models, args.timeout)
         wall = (max(r["end"] for r in results)
                 - min(r["start"] for r in results))
         cpu_seconds = sum(sum(r["epoch_cpu_seconds"]) for r in results)
         return (wall / spec["epochs"], cpu_seconds / spec["epochs"],
-                sum(r["peak_rss_mb"] for r in results), spec["jit_compile"])
+                sum(r["peak_rss_mb"] for r in results), spec["jit_compile"],
+                None)
     settings = ([False, True] if args.fused_jit == "best"
                 else [spec["fused_jit_compile"]])
     best, timeout = None, args.timeout
@@ -318,7 +330,8 @@ def measure_mode(args, mode, num_models, spec):
         seconds = _median(result["epoch_seconds"])
         if best is None or seconds < best[0]:
             best = (seconds, _median(result["epoch_cpu_seconds"]),
-                    result["peak_rss_mb"], result["jit_compile"])
+                    result["peak_rss_mb"], result["jit_compile"],
+                    result.get("models_per_pass"))
         # The other setting gets a few times as long as this one took.
         timeout = min(args.timeout, max(
             120.0, 3 * (time.perf_counter() - started)))
@@ -334,6 +347,8 @@ def benchmark_model(args, name):
             "fused_jit_compile": {"auto": "auto", "true": True,
                                   "false": False}.get(args.fused_jit),
             "steps_per_execution": args.steps_per_execution,
+            "models_per_pass": (None if args.models_per_pass == "all"
+                                else args.models_per_pass),
             "stock_steps_per_execution": args.stock_steps_per_execution}
     probe = probe_model(args, name, base)
     spec = {**base, "steps": probe["steps"],
@@ -345,11 +360,12 @@ def benchmark_model(args, name):
         for repeat in range(args.repeats):
             shift = repeat % len(args.modes)
             for mode in args.modes[shift:] + args.modes[:shift]:
-                seconds, cpu_seconds, rss, jit = measure_mode(
+                seconds, cpu_seconds, rss, jit, per_pass = measure_mode(
                     args, mode, num_models, spec)
                 measured[mode].append((num_models * work / seconds, rss, jit,
                                        os.getloadavg()[0],
-                                       num_models * work / cpu_seconds))
+                                       num_models * work / cpu_seconds,
+                                       per_pass))
                 print(f"[{name}] B={num_models:<3} {mode:<10} "
                       f"{num_models * work / seconds:10.1f} samples/s  "
                       f"{rss:8.0f} MiB", flush=True)
@@ -365,7 +381,8 @@ def _row(args, name, mode, num_models, values, serial, probe):
     row = {"model": name, "mode": mode, "num_models": num_models,
            "batch_size": args.batch_size, "steps": probe["steps"],
            "epochs": args.epochs, "repeats": len(values),
-           "jit_compile": values[0][2], "samples_per_s": rate,
+           "jit_compile": values[0][2], "models_per_pass": values[0][5],
+           "samples_per_s": rate,
            "samples_per_s_min": low, "samples_per_s_max": high,
            "peak_rss_mb": _median([v[1] for v in values]),
            "load_average": _median([v[3] for v in values]),
@@ -424,7 +441,8 @@ def markdown_table(rows):
               + [f"{m} speedup" for m in modes if m != "serial"]
               + [f"{m} CPU-time speedup" for m in modes if m != "serial"]
               + [f"{m} MiB" for m in modes] + ["fused % of peak",
-                                               "fused XLA"])
+                                               "fused XLA",
+                                               "fused models/pass"])
     lines = ["| " + " | ".join(header) + " |",
              "|" + "---|" * len(header)]
     keys = sorted({(r["model"], r["num_models"]) for r in rows},
@@ -443,7 +461,8 @@ def markdown_table(rows):
                  + [_format(by_mode.get(m, {}).get("peak_rss_mb"), 0)
                     for m in modes]
                  + [_format(fused.get("percent_of_peak"), 1),
-                    _format(fused.get("jit_compile"))])
+                    _format(fused.get("jit_compile")),
+                    _format(fused.get("models_per_pass"))])
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -482,7 +501,7 @@ def read_csv(path):
                     number = float(value)
                     parsed[key] = int(number) if key in (
                         "num_models", "batch_size", "steps", "epochs",
-                        "repeats") else number
+                        "repeats", "models_per_pass") else number
             rows.append(parsed)
     return rows
 

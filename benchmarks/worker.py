@@ -121,9 +121,11 @@ def fused(spec):
     keras.utils.set_random_seed(spec["seed"])
     array = work.fused_model(
         spec["num_models"], jit_compile=spec.get("fused_jit_compile", "auto"),
-        steps_per_execution=spec.get("steps_per_execution", 1))
+        steps_per_execution=spec.get("steps_per_execution", 1),
+        models_per_pass=spec.get("models_per_pass", "auto"))
     result = _fit(array, dataset, spec)
     result["jit_compile"] = bool(array.jit_compile)
+    result["models_per_pass"] = getattr(array, "models_per_pass", None)
     return result
 
 

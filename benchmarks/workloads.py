@@ -14,6 +14,7 @@ twins live in `STOCK_TRAINERS`, keyed by the array class's name.
 """
 
 import dataclasses
+import inspect
 
 import keras
 import numpy as np
@@ -123,7 +124,7 @@ class Workload:
         return model
 
     def fused_model(self, num_models, jit_compile="auto",
-                    steps_per_execution=1):
+                    steps_per_execution=1, models_per_pass="auto"):
         """A fresh array of `num_models`, compiled with the fused form of
         the recipe's optimizer."""
         array = hftatf.fuse(self.build(), num_models,
@@ -135,6 +136,14 @@ class Workload:
             kwargs["loss"] = self.recipe.loss
         if self.recipe.metrics:
             kwargs["metrics"] = list(self.recipe.metrics)
+        if models_per_pass != "auto":
+            if "models_per_pass" not in inspect.signature(
+                    array.compile).parameters:
+                raise ValueError(
+                    f"{type(array).__name__} trains with a step of its own, "
+                    "which computes all models in one pass; leave "
+                    f"models_per_pass at 'auto' for {self.name!r}.")
+            kwargs["models_per_pass"] = models_per_pass
         array.compile(optimizer=optimizer, jit_compile=jit_compile,
                       steps_per_execution=steps_per_execution, **kwargs)
         return array

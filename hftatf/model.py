@@ -21,6 +21,7 @@ from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
 from keras.src.trainers.trainer import model_supports_jit
 
 from hftatf import optimizers as fused_optimizers
+from hftatf import passes
 from hftatf.api import hftatf_export
 from hftatf.layers import convolutional
 from hftatf.layers.base import broadcast_to_models
@@ -195,6 +196,13 @@ def _expand_to(values, reference):
                                          - len(values.shape))))
 
 
+def _sum_gradients(parts):
+    """The gradient of a variable every model shares: the sum of the
+    passes' (None if none has one)."""
+    parts = [tf.convert_to_tensor(g) for g in parts if g is not None]
+    return ops.sum(ops.stack(parts), axis=0) if parts else None
+
+
 def _same_shape(a, b):
     return len(a) == len(b) and all(
         x is None or y is None or x == y for x, y in zip(a, b))
@@ -253,6 +261,9 @@ class FusedModel(keras.Model):
         self._class_weight = None
         self._replica_jit_compile = False
         self._compiled_forward = None
+        self._models_per_pass = None
+        self._resolved_models_per_pass = None
+        self._pass_models = passes.PassModels()
         self._status = ModelStatus(self.num_models)
         self._reported_divergence = set()
 
@@ -314,7 +325,8 @@ class FusedModel(keras.Model):
     def compile(self, optimizer="rmsprop", loss=None, loss_weights=None,
                 metrics=None, weighted_metrics=None, run_eagerly=False,
                 steps_per_execution=1, jit_compile="auto",
-                per_model_labels=None, auto_scale_loss=True):
+                per_model_labels=None, auto_scale_loss=True,
+                models_per_pass="auto"):
         """Configures the array for training, as `keras.Model.compile`.
 
         Args:
@@ -336,7 +348,20 @@ class FusedModel(keras.Model):
                 from per-model labels (`[batch, B, ...]`) by their shape;
                 True or False to say which.
             auto_scale_loss: as in Keras.
+            models_per_pass: how many models one forward and backward pass
+                of the training step computes; the step runs
+                `ceil(B / models_per_pass)` passes one after the other and
+                then one optimizer step, and every model trains exactly as
+                in one pass (see `hftatf.passes`). None: all models in one
+                pass. `"auto"`: one pass, except on a CPU in a step compiled
+                with XLA, where a pass holds as many models as fit their
+                activations in the last-level cache (at least one): there
+                arrays of large models train faster one model at a time
+                (benchmarks/README.md). Evaluation and prediction always
+                run in one pass.
         """
+        models_per_pass = passes.check_models_per_pass(
+            models_per_pass, self.num_models)
         optimizer = fused_optimizers.get(optimizer)
         if (auto_scale_loss and self.dtype_policy.name == "mixed_float16"
                 and not isinstance(optimizer,
@@ -352,6 +377,8 @@ class FusedModel(keras.Model):
             steps_per_execution=steps_per_execution, jit_compile=jit_compile,
             auto_scale_loss=auto_scale_loss)
         self._per_model_labels = per_model_labels
+        self._models_per_pass = models_per_pass
+        self._resolved_models_per_pass = None
         strategy = self._distribute_strategy
         self._replica_jit_compile = bool(
             strategy is not None and jit_compile in ("auto", True)
@@ -375,7 +402,8 @@ class FusedModel(keras.Model):
         self._model_loss_tracker = PerModelMean(self.num_models, name="loss")
         self._compile_config.config.update(
             metrics=metrics, weighted_metrics=weighted_metrics,
-            per_model_labels=per_model_labels)
+            per_model_labels=per_model_labels,
+            models_per_pass=models_per_pass)
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -483,10 +511,11 @@ class FusedModel(keras.Model):
     def _model_predictions(self, y_pred):
         """Each model's predictions (`y_pred[:, b]` of every output), from
         one `unstack` per output."""
-        flat = [_model_slices(t, self.num_models)
-                for t in keras.tree.flatten(y_pred)]
+        flat = keras.tree.flatten(y_pred)
+        count = flat[0].shape[1]
+        flat = [_model_slices(t, count) for t in flat]
         return [keras.tree.pack_sequence_as(y_pred, [s[b] for s in flat])
-                for b in range(self.num_models)]
+                for b in range(count)]
 
     def _model_targets(self, y, y_pred, sample_weight, index, pred,
                        training=False):
@@ -550,27 +579,36 @@ class FusedModel(keras.Model):
         model; it is split evenly between them.
         """
         del x
+        return self._losses_of_models(
+            range(self.num_models), y, y_pred, sample_weight, self.losses,
+            training=training)
+
+    def _losses_of_models(self, indices, y, y_pred, sample_weight, added,
+                          training=True):
+        """The losses of the models `indices`, whose predictions `y_pred`
+        holds (`[batch, len(indices), ...]`), plus their `added` losses (a
+        vector of one entry per model, or a scalar split evenly)."""
         losses = []
         preds = self._model_predictions(y_pred)
-        for index in range(self.num_models):
+        for index, pred in zip(indices, preds):
             labels, pred, weights = self._model_targets(
-                y, y_pred, sample_weight, index, preds[index],
-                training=training)
+                y, y_pred, sample_weight, index, pred, training=training)
             loss = None
             if self._model_losses is not None:
                 loss = self._model_losses[index](labels, pred, weights)
             losses.append(ops.zeros(()) if loss is None else loss)
         losses = ops.stack(losses)
-        for extra in self.losses:
+        count = len(preds)
+        for extra in added:
             if not keras.backend.is_float_dtype(extra.dtype):
                 extra = ops.cast(extra, keras.backend.floatx())
             # Divided by the number of replicas, like the compiled loss, as
             # Keras does for its models' added losses.
             extra = scale_loss_for_distribution(ops.cast(extra, losses.dtype))
-            if tuple(extra.shape) == (self.num_models,):
+            if tuple(extra.shape) == (count,):
                 losses = losses + extra
             else:
-                losses = losses + ops.sum(extra) / self.num_models
+                losses = losses + ops.sum(extra) / count
         return losses
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
@@ -619,6 +657,10 @@ class FusedModel(keras.Model):
     def _forward_and_gradients(self, x, y, sample_weight):
         """Predictions, `[B]` losses and the gradients of their (scaled)
         sum with respect to the trainable weights."""
+        per_pass = self._models_per_pass_for(x)
+        if per_pass < self.num_models:
+            return self._forward_and_gradients_in_passes(
+                x, y, sample_weight, per_pass)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True)
             losses = self.compute_model_losses(
@@ -628,6 +670,118 @@ class FusedModel(keras.Model):
         if self.trainable_weights:
             gradients = tape.gradient(loss, self.trainable_weights)
         return y_pred, losses, gradients
+
+    @property
+    def models_per_pass(self):
+        """Models per forward and backward pass of the training step: the
+        `compile` setting, resolved (`"auto"` to a number) once a training
+        step has been traced."""
+        if self._resolved_models_per_pass is not None:
+            return self._resolved_models_per_pass
+        if self._models_per_pass is None:
+            return self.num_models
+        return self._models_per_pass
+
+    def _models_per_pass_for(self, x):
+        """The resolved `models_per_pass` (decided once per `compile`)."""
+        if self._resolved_models_per_pass is None:
+            setting = self._models_per_pass
+            if setting is None:
+                count = self.num_models
+            elif setting != "auto":
+                count = setting
+            elif (self._distribute_strategy is not None
+                  or not self.jit_compile
+                  or convolutional.runs_on_accelerator()):
+                count = self.num_models
+            else:
+                count = passes.auto_models_per_pass(
+                    self, keras.tree.flatten(x)[0].shape[0])
+            self._resolved_models_per_pass = count
+        return self._resolved_models_per_pass
+
+    def _pass_model(self, count):
+        """The array of `count` models whose layers run a pass, and the
+        role of each variable (`passes.variable_roles`)."""
+        if count not in self._pass_models.models:
+            config = _with_num_models(self.get_config(), self.num_models,
+                                      count)
+            # Built outside the traced step: it creates variables.
+            with tf.init_scope():
+                model = type(self).from_config(config)
+            self._pass_models.models[count] = model
+        model = self._pass_models.models[count]
+        for layer, twin in zip(self._flatten_layers(include_self=False),
+                               model._flatten_layers(include_self=False)):
+            twin.trainable = layer.trainable
+        roles = (passes.variable_roles(self.trainable_variables,
+                                       model.trainable_variables, count),
+                 passes.variable_roles(self.non_trainable_variables,
+                                       model.non_trainable_variables, count))
+        return model, roles
+
+    def _forward_and_gradients_in_passes(self, x, y, sample_weight,
+                                         per_pass):
+        """`_forward_and_gradients`, computed `per_pass` models at a time,
+        one pass after the other (see `hftatf.passes`)."""
+        B = self.num_models
+        trainable = self.trainable_variables
+        states = self.non_trainable_variables
+        carried = [v.value for v in states]
+        preds, losses = [], []
+        gradients = [[] for _ in trainable]
+        updates = [[] for _ in states]
+        previous = []
+        spans = passes.bounds(B, per_pass)
+        for start, stop in spans:
+            model, (trainable_roles, state_roles) = self._pass_model(
+                stop - start)
+            # The next pass starts when the last one is done, so that one
+            # pass's activations are live at a time.
+            with tf.control_dependencies(previous):
+                inputs = [tf.identity(t) if shared else t[:, start:stop]
+                          for t, shared in zip(keras.tree.flatten(x),
+                                               self._shared_inputs)]
+            inputs = keras.tree.pack_sequence_as(x, inputs)
+            weights = [v.value[start:stop] if sliced else v.value
+                       for v, sliced in zip(trainable, trainable_roles)]
+            state = [value[start:stop] if sliced else value
+                     for value, sliced in zip(carried, state_roles)]
+            with tf.GradientTape() as tape:
+                tape.watch(weights)
+                y_pred, state, added = model.stateless_call(
+                    weights, state, inputs, training=True,
+                    return_losses=True)
+                pass_losses = self._losses_of_models(
+                    range(start, stop), y, y_pred, sample_weight, added,
+                    training=True)
+                loss = self.optimizer.scale_model_losses(ops.concatenate([
+                    ops.zeros((start,), pass_losses.dtype), pass_losses,
+                    ops.zeros((B - stop,), pass_losses.dtype)]))
+            pass_gradients = tape.gradient(loss, weights) if weights else []
+            for collected, gradient in zip(gradients, pass_gradients):
+                collected.append(gradient)
+            for index, (value, sliced) in enumerate(zip(state, state_roles)):
+                if sliced:
+                    updates[index].append(value)
+                else:
+                    carried[index] = value
+            preds.append(y_pred)
+            losses.append(pass_losses)
+            previous = [g for g in keras.tree.flatten(pass_gradients)
+                        if g is not None] + [pass_losses]
+        for variable, value, parts in zip(states, carried, updates):
+            variable.assign(ops.concatenate(parts, axis=0) if parts
+                            else value)
+        starts = [start for start, _ in spans]
+        gradients = [
+            passes.concat_gradients(parts, starts, variable.shape)
+            if sliced else _sum_gradients(parts)
+            for variable, parts, sliced in zip(trainable, gradients,
+                                               trainable_roles)]
+        y_pred = keras.tree.map_structure(
+            lambda *parts: passes.concat_models(list(parts)), *preds)
+        return y_pred, ops.concatenate(losses, axis=0), gradients
 
     def model_state(self):
         """A snapshot of the per-model state the forward pass updates

@@ -97,6 +97,13 @@ def test_parse_args_rejects_unknown_modes():
         run.parse_args(["--modes", "serial,parallel"])
 
 
+def test_parse_args_reads_models_per_pass():
+    assert run.parse_args([]).models_per_pass == "auto"
+    assert run.parse_args(["--models_per_pass", "2"]).models_per_pass == 2
+    with pytest.raises(SystemExit):
+        run.parse_args(["--models_per_pass", "some"])
+
+
 def test_workload_batches_are_full_and_repeat():
     work = Workload("mlp", batch_size=16)
     batches = work.batches(3)
@@ -155,7 +162,8 @@ def test_smoke_run_writes_a_well_formed_csv(tmp_path):
         "--modes", "serial,concurrent,fused", "--batch_size", "8",
         "--steps", "2", "--epochs", "1", "--warmup_steps", "1",
         "--data_batches", "2", "--stock_jit", "false", "--fused_jit", "false",
-        "--model_args", "hidden_units=(4)", "--peak_size", "64",
+        "--models_per_pass", "1", "--model_args", "hidden_units=(4)",
+        "--peak_size", "64",
         "--peak_seconds", "0.05", "--output_dir", str(tmp_path)])
     with open(tmp_path / "results.csv") as file:
         table = list(csv.DictReader(file))
@@ -173,6 +181,7 @@ def test_smoke_run_writes_a_well_formed_csv(tmp_path):
         assert float(row["step_gflop"]) > 0
         assert float(row["percent_of_peak"]) > 0
         assert row["jit_compile"] == "False"
+    assert [r["models_per_pass"] for r in table] == ["", "", "1"]
     assert float(table[0]["speedup"]) == 1.0
     assert float(table[0]["cpu_speedup"]) == 1.0
     assert float(table[2]["cpu_speedup"]) > 0
@@ -182,6 +191,7 @@ def test_smoke_run_writes_a_well_formed_csv(tmp_path):
     markdown = (tmp_path / "results.md").read_text().splitlines()
     assert markdown[0].startswith("| model | B | serial samples/s")
     assert "| fused CPU-time speedup |" in markdown[0]
+    assert markdown[0].endswith("| fused XLA | fused models/pass |")
     assert [line.split(" | ")[:2] for line in markdown[2:]] == [
         ["| pointnet", "4"], ["| mlp", "2"]]
     try:

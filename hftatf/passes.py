@@ -1,0 +1,177 @@
+"""Training an array in passes of a few models at a time.
+
+By default an array's training step computes its B models in one pass: one
+fused op per layer, over all models at once. That is what fills an
+accelerator. On a CPU it can lose: when one model's activations already
+outgrow the processor's last-level cache (a PointNet, a Transformer), B
+models' outgrow it B times over, every fused op streams them from memory,
+and XLA's CPU code for batched per-model products adds transposes around
+them. The step can instead compute the models in passes of
+`models_per_pass`: the same fused layers, built for that many models, run on
+their slices of the array's weights and state, one pass after the other,
+inside the one compiled step.
+
+Every model computes exactly what it computes in one pass: its weights,
+inputs, labels, losses and gradients are its own either way; only the order
+of the work changes. Per kind of state:
+
+* weights and per-model state (`[B, ...]`, e.g. moving statistics): each pass
+  reads and updates its models' slice;
+* state without a model axis (random seed generators): carried from pass to
+  pass, so every pass draws fresh randomness, as B separate jobs would;
+* the optimizer step: one, after the last pass, for the whole array.
+
+`compile(models_per_pass="auto")` (the default) uses passes only where they
+were measured to pay (`benchmarks/README.md`): on a CPU, in a step compiled
+with XLA, a pass holds as many models as fit their activations together in
+the last-level cache, at least one. Everywhere else the array is one pass.
+"""
+
+import glob
+import re
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+# Assumed when the system does not say (a common server CPU's L3).
+DEFAULT_CACHE_BYTES = 32 * 2**20
+# Assumed when the training step's batch size is not static.
+DEFAULT_BATCH_SIZE = 32
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def last_level_cache_bytes():
+    """The size of this machine's largest CPU cache in bytes (Linux
+    `/sys`), or `DEFAULT_CACHE_BYTES` where it cannot be read."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as file:
+                text = file.read().strip()
+        except OSError:
+            continue
+        match = re.fullmatch(r"(\d+)\s*([KMG]?)", text)
+        if match:
+            sizes.append(int(match.group(1)) * _UNITS[match.group(2)])
+    return max(sizes, default=DEFAULT_CACHE_BYTES)
+
+
+def activation_bytes_per_model(array, batch_size):
+    """Bytes of the layer outputs one model of `array` produces (or reads,
+    for tensors all models share) in a forward pass of `batch_size`
+    samples: the working set a training step keeps per model for its
+    backward pass."""
+    total = 0
+    for layer in array._flatten_layers(include_self=False):
+        for node in getattr(layer, "_inbound_nodes", ()):
+            for tensor in keras.tree.flatten(node.output_tensors):
+                shape = tuple(tensor.shape)[1:]
+                if None in shape:
+                    continue
+                if shape and shape[0] == array.num_models:
+                    shape = shape[1:]  # [batch, B, ...]: one model's slice
+                total += int(np.prod(shape)) * np.dtype(
+                    tensor.dtype).itemsize
+    return total * batch_size
+
+
+def auto_models_per_pass(array, batch_size):
+    """Models per pass for `models_per_pass="auto"` on a CPU under XLA:
+    as many as fit their activations in the last-level cache, at least
+    one, at most all."""
+    per_model = activation_bytes_per_model(
+        array, batch_size or DEFAULT_BATCH_SIZE)
+    fitting = last_level_cache_bytes() // max(per_model, 1)
+    return int(min(array.num_models, max(1, fitting)))
+
+
+def check_models_per_pass(value, num_models):
+    """Validates `compile(models_per_pass=...)`."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+            value, (int, np.integer)) or not 1 <= value <= num_models:
+        raise ValueError(
+            "`models_per_pass` must be 'auto', None (all models in one pass) "
+            f"or an integer in [1, num_models={num_models}]. Received: "
+            f"models_per_pass={value!r}.")
+    return int(value)
+
+
+def bounds(num_models, per_pass):
+    """`(start, stop)` of each pass's models."""
+    return [(start, min(start + per_pass, num_models))
+            for start in range(0, num_models, per_pass)]
+
+
+class PassModels:
+    """The arrays of fewer models that run an array's passes, by model
+    count: built once, they own no state of their own that training uses
+    (each pass runs on slices of the full array's variables). Kept in a
+    plain object so that Keras does not track them as the array's layers.
+    """
+
+    def __init__(self):
+        self.models = {}
+
+
+def variable_roles(full, part, count):
+    """For each pair of `full` (the array's) and `part` (a pass array's)
+    variables: True if it carries the model axis (sliced per pass), False
+    if it is the same for all models (carried through the passes)."""
+    if len(full) != len(part):
+        raise ValueError(
+            f"An array of {count} models built for a pass holds "
+            f"{len(part)} variables where the array holds {len(full)}; "
+            "use models_per_pass=None for this array.")
+    roles = []
+    for a, b in zip(full, part):
+        whole, sliced = tuple(a.shape), tuple(b.shape)
+        if whole == sliced:
+            roles.append(False)
+        elif whole[1:] == sliced[1:] and sliced[:1] == (count,):
+            roles.append(True)
+        else:
+            raise ValueError(
+                f"Variable '{a.path}' of shape {whole} has no model axis "
+                f"matching '{b.path}' of shape {sliced} in a pass of "
+                f"{count} models; use models_per_pass=None for this array.")
+    return roles
+
+
+def concat_models(parts):
+    """Joins the passes' `[batch, k, ...]` outputs on the model axis,
+    keeping the logits Keras caches on softmax and sigmoid outputs."""
+    joined = ops.concatenate(parts, axis=1)
+    logits = [getattr(p, "_keras_logits", None) for p in parts]
+    if all(t is not None for t in logits):
+        try:
+            joined._keras_logits = ops.concatenate(logits, axis=1)
+        except AttributeError:
+            pass
+    return joined
+
+
+def concat_gradients(parts, starts, shape):
+    """One `[B, ...]` gradient from the passes' `[k, ...]` ones (None where
+    no pass has one; sparse rows index the model axis, offset by each pass's
+    first model)."""
+    if all(g is None for g in parts):
+        return None
+    if any(isinstance(g, tf.IndexedSlices) for g in parts):
+        values, indices = [], []
+        for gradient, start in zip(parts, starts):
+            if gradient is None:
+                continue
+            if not isinstance(gradient, tf.IndexedSlices):
+                gradient = tf.IndexedSlices(
+                    gradient, tf.range(tf.shape(gradient)[0]))
+            values.append(gradient.values)
+            indices.append(gradient.indices + ops.cast(
+                start, gradient.indices.dtype))
+        return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0),
+                                dense_shape=tf.constant(shape, tf.int64))
+    return ops.concatenate(parts, axis=0)

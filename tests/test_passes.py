@@ -1,0 +1,184 @@
+"""Training an array in passes of a few models (`compile(models_per_pass=)`).
+
+The oracle: B stock models trained with stock `fit` on model b's slice of
+everything, and the same array trained in one pass."""
+
+import keras
+import numpy as np
+import pytest
+from testing import assert_close
+
+import hftatf
+from hftatf import passes
+
+B = 3
+RATES = [0.01, 0.005, 0.02]
+N = 24
+BATCH = 8
+
+
+def network(dropout=0.0):
+    """Weights, moving statistics, a weight and an activity regularizer,
+    and optional dropout: every kind of state a pass slices or carries."""
+    x = keras.Input((5,), name="x")
+    h = keras.layers.Dense(8, activation="tanh", name="h",
+                           kernel_regularizer=keras.regularizers.L2(0.01),
+                           activity_regularizer=keras.regularizers.L1(0.01)
+                           )(x)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    if dropout:
+        h = keras.layers.Dropout(dropout, name="drop")(h)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def data(per_model_labels=False, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, 5)).astype("float32")
+    shape = (N, B) if per_model_labels else (N,)
+    y = rng.integers(0, 3, shape).astype("int32")
+    weights = rng.uniform(0.0, 2.0, (N, B)).astype("float32")
+    return x, y, weights
+
+
+def trained_array(builder, models_per_pass, x, y, weights, jit_compile,
+                  initial=None):
+    array = hftatf.fuse(builder(), B)
+    if initial is not None:
+        array.set_weights(initial)
+    array.compile(optimizer=hftatf.optimizers.Adam(RATES), loss=LOSS,
+                  metrics=["accuracy"], jit_compile=jit_compile,
+                  models_per_pass=models_per_pass)
+    history = array.fit(x, y, sample_weight=weights, batch_size=BATCH,
+                        epochs=2, shuffle=False, verbose=0)
+    return array, history.history
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("models_per_pass", [1, 2])
+@pytest.mark.parametrize("per_model_labels", [False, True])
+def test_passes_train_each_model_as_stock_keras(models_per_pass,
+                                                per_model_labels,
+                                                jit_compile):
+    x, y, weights = data(per_model_labels)
+    fresh = hftatf.fuse(network(), B)
+    initial = fresh.get_weights()
+    array, history = trained_array(network, models_per_pass, x, y, weights,
+                                   jit_compile, initial=initial)
+    assert array.models_per_pass == models_per_pass
+    reference, _ = trained_array(network, None, x, y, weights, jit_compile,
+                                 initial=initial)
+    for b, (model, twin) in enumerate(zip(fresh.unfuse(), array.unfuse())):
+        model.compile(optimizer=keras.optimizers.Adam(RATES[b]), loss=LOSS,
+                      metrics=["accuracy"])
+        labels = y[:, b] if per_model_labels else y
+        stock = model.fit(x, labels, sample_weight=weights[:, b],
+                          batch_size=BATCH, epochs=2, shuffle=False,
+                          verbose=0).history
+        for ours, theirs in zip(twin.weights, model.weights):
+            assert_close(ours, theirs, err_msg=f"model {b} {theirs.path}")
+        assert_close(history[f"loss_{b}"], stock["loss"])
+        assert_close(history[f"accuracy_{b}"], stock["accuracy"])
+    # And what one pass computes.
+    for ours, theirs in zip(array.weights, reference.weights):
+        assert_close(ours, theirs, err_msg=theirs.path)
+
+
+def test_passes_draw_independent_randomness():
+    # Three identical models with dropout, one per pass: a pass that drew
+    # its predecessor's masks would train its model into the same weights.
+    x, y, weights = data()
+    array = hftatf.fuse(network(dropout=0.5), B)
+    same = [np.stack([w[0]] * B) for w in array.get_weights()]
+    array.set_weights(same)
+    array.compile(optimizer=hftatf.optimizers.SGD(0.1), loss=LOSS,
+                  models_per_pass=1)
+    array.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    kernels = np.asarray(array.get_layer("h").kernel)
+    for a in range(B):
+        for b in range(a):
+            assert np.abs(kernels[a] - kernels[b]).max() > 1e-3, (a, b)
+
+
+def test_diverging_model_in_a_pass_leaves_the_others():
+    x, y, weights = data()
+    initial = hftatf.fuse(network(), B).get_weights()
+    rates = [0.05, float("inf"), 0.05]
+
+    def train(models_per_pass):
+        array = hftatf.fuse(network(), B)
+        array.set_weights(initial)
+        array.compile(optimizer=hftatf.optimizers.SGD(rates), loss=LOSS,
+                      models_per_pass=models_per_pass)
+        array.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0)
+        return array
+
+    passed, whole = train(1), train(None)
+    assert list(passed.diverged_models) == [False, True, False]
+    for ours, theirs in zip(passed.weights, whole.weights):
+        ours, theirs = np.asarray(ours), np.asarray(theirs)
+        np.testing.assert_allclose(ours[[0, 2]], theirs[[0, 2]], atol=1e-6)
+
+
+def test_models_per_pass_survives_saving(tmp_path):
+    x, y, weights = data()
+    array, _ = trained_array(network, 2, x, y, weights, jit_compile=False)
+    path = tmp_path / "array.keras"
+    array.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded._models_per_pass == 2
+    loaded.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert loaded.models_per_pass == 2
+
+
+@pytest.mark.parametrize("value", [0, B + 1, True, 1.5, "all"])
+def test_models_per_pass_rejects_what_it_cannot_run(value):
+    array = hftatf.fuse(network(), B)
+    with pytest.raises(ValueError, match="models_per_pass"):
+        array.compile("sgd", loss=LOSS, models_per_pass=value)
+
+
+def test_auto_fits_models_in_the_cache(monkeypatch):
+    x, y, weights = data()
+    array = hftatf.fuse(network(), B)
+    # Per sample and model: the shared input (5 floats) and the outputs of
+    # the dense (8), normalization (8) and output (3) layers.
+    per_sample = 4 * (5 + 8 + 8 + 3)
+    assert passes.activation_bytes_per_model(array, 10) == 10 * per_sample
+    monkeypatch.setattr(passes, "last_level_cache_bytes",
+                        lambda: 2 * BATCH * per_sample)
+    assert passes.auto_models_per_pass(array, BATCH) == 2
+    assert passes.auto_models_per_pass(array, 4 * BATCH) == 1
+    assert passes.auto_models_per_pass(array, 1) == B
+    # XLA on a CPU: as the rule says.
+    array.compile("sgd", loss=LOSS, jit_compile=True)
+    array.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert array.models_per_pass == 2
+    # Without XLA: one pass, as measured to be faster there.
+    array.compile("sgd", loss=LOSS, jit_compile=False)
+    array.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert array.models_per_pass == B
+
+
+def test_cache_size_is_read_from_the_system():
+    size = passes.last_level_cache_bytes()
+    assert isinstance(size, int) and size >= 2**16
+
+
+def test_pass_gradients_are_joined_on_the_model_axis():
+    import tensorflow as tf
+
+    dense = passes.concat_gradients(
+        [np.ones((2, 3), "float32"), 2 * np.ones((1, 3), "float32")],
+        [0, 2], (3, 3))
+    np.testing.assert_array_equal(np.asarray(dense)[:, 0], [1, 1, 2])
+    sparse = passes.concat_gradients(
+        [tf.IndexedSlices(tf.ones((1, 3)), tf.constant([1])),
+         tf.IndexedSlices(2 * tf.ones((1, 3)), tf.constant([0]))],
+        [0, 2], (3, 3))
+    np.testing.assert_array_equal(
+        tf.convert_to_tensor(sparse).numpy()[:, 0], [0, 1, 2])
+    assert passes.concat_gradients([None, None], [0, 1], (2,)) is None
