@@ -61,7 +61,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 COLUMNS = (
     "model", "mode", "num_models", "batch_size", "steps", "epochs",
     "repeats", "jit_compile", "models_per_pass", "samples_per_s",
-    "samples_per_s_min", "samples_per_s_max", "speedup", "speedup_min", "speedup_max",
+    "samples_per_s_min", "samples_per_s_max", "speedup", "speedup_min",
+    "speedup_max",
     "cpu_samples_per_s", "cpu_speedup", "peak_rss_mb", "step_gflop",
     "gflop_per_s", "matmul_peak_gflop_per_s", "percent_of_peak",
     "load_average",
