@@ -13,6 +13,8 @@ REPLICAS = int(sys.argv[1])
 # global batch, as one device does; it synchronises inside the forward pass,
 # which then runs without XLA. Without it, the replica pass is compiled.
 SYNCHRONIZED = len(sys.argv) > 2 and sys.argv[2] == "synchronized"
+# Each replica's step computes its models in passes of one.
+MODELS_PER_PASS = 1 if len(sys.argv) > 2 and sys.argv[2] == "passes" else None
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
     cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
@@ -49,7 +51,7 @@ def train(strategy):
         array.compile(
             optimizer=hftatf.optimizers.Adam([0.01, 0.02, 0.03]),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"])
+            metrics=["accuracy"], models_per_pass=MODELS_PER_PASS)
     history = array.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
                         shuffle=False, verbose=0)
     weights = [np.asarray(w) for w in array.get_weights()]

@@ -357,7 +357,9 @@ def mlp():
     return keras.Model(x, y)
 
 
-def test_mixed_float16_array_trains_like_stock_models(mixed_float16):
+@pytest.mark.parametrize("models_per_pass", [None, 1])
+def test_mixed_float16_array_trains_like_stock_models(mixed_float16,
+                                                      models_per_pass):
     rates = [0.05, 0.1, 0.2]
     array = hftatf.fuse(mlp(), B)
     # Model 1's large output kernel overflows its float16 gradients on every
@@ -368,8 +370,9 @@ def test_mixed_float16_array_trains_like_stock_models(mixed_float16):
     output.set_weights([kernel, bias])
     stock = array.unfuse()
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    # In passes, each model's loss still carries its own scale.
     array.compile(optimizers.LossScaleOptimizer(optimizers.SGD(rates)),
-                  loss=loss)
+                  loss=loss, models_per_pass=models_per_pass)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 6)).astype("float32")
     y = rng.integers(0, 3, size=32)
