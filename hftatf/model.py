@@ -203,13 +203,6 @@ def _sum_gradients(parts):
     return ops.sum(ops.stack(parts), axis=0) if parts else None
 
 
-def _pass_values(values, roles, start, stop):
-    """Values for the pass of models `start:stop`: the slice of those that
-    carry the model axis, the others whole."""
-    return [value[start:stop] if sliced else value
-            for value, sliced in zip(values, roles)]
-
-
 def _same_shape(a, b):
     return len(a) == len(b) and all(
         x is None or y is None or x == y for x, y in zip(a, b))
@@ -727,17 +720,6 @@ class FusedModel(keras.Model):
                                        model.non_trainable_variables, count))
         return model, roles
 
-    def _pass_inputs(self, x, start, stop, after):
-        """The inputs of the pass of models `start:stop`: shared inputs
-        whole, per-model inputs sliced; computed once the tensors `after`
-        (the previous pass's results) are, so that one pass's activations
-        are live at a time."""
-        with tf.control_dependencies(after):
-            inputs = [tf.identity(t) if shared else t[:, start:stop]
-                      for t, shared in zip(keras.tree.flatten(x),
-                                           self._shared_inputs)]
-        return keras.tree.pack_sequence_as(x, inputs)
-
     def _forward_and_gradients_in_passes(self, x, y, sample_weight,
                                          per_pass):
         """`_forward_and_gradients`, computed `per_pass` models at a time,
@@ -754,10 +736,17 @@ class FusedModel(keras.Model):
         for start, stop in spans:
             model, (trainable_roles, state_roles) = self._pass_model(
                 stop - start)
-            inputs = self._pass_inputs(x, start, stop, previous)
-            weights = _pass_values([v.value for v in trainable],
-                                   trainable_roles, start, stop)
-            state = _pass_values(carried, state_roles, start, stop)
+            # The next pass starts when the last one is done, so that one
+            # pass's activations are live at a time.
+            with tf.control_dependencies(previous):
+                inputs = [tf.identity(t) if shared else t[:, start:stop]
+                          for t, shared in zip(keras.tree.flatten(x),
+                                               self._shared_inputs)]
+            inputs = keras.tree.pack_sequence_as(x, inputs)
+            weights = [v.value[start:stop] if sliced else v.value
+                       for v, sliced in zip(trainable, trainable_roles)]
+            state = [value[start:stop] if sliced else value
+                     for value, sliced in zip(carried, state_roles)]
             with tf.GradientTape() as tape:
                 tape.watch(weights)
                 y_pred, state, added = model.stateless_call(
@@ -870,26 +859,6 @@ class FusedModel(keras.Model):
         else:
             callbacks = [*(callbacks or []), _DivergenceReport()]
         return super().fit(*args, callbacks=callbacks, **kwargs)
-
-    def predict_step(self, data):
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        per_pass = self._models_per_pass_for(x)
-        if per_pass >= self.num_models:
-            return super().predict_step(data)
-        outputs, previous = [], []
-        for start, stop in passes.bounds(self.num_models, per_pass):
-            model, (trainable_roles, state_roles) = self._pass_model(
-                stop - start)
-            y_pred, _ = model.stateless_call(
-                _pass_values([v.value for v in self.trainable_variables],
-                             trainable_roles, start, stop),
-                _pass_values([v.value for v in self.non_trainable_variables],
-                             state_roles, start, stop),
-                self._pass_inputs(x, start, stop, previous), training=False)
-            outputs.append(y_pred)
-            previous = keras.tree.flatten(y_pred)
-        return keras.tree.map_structure(
-            lambda *parts: passes.concat_models(list(parts)), *outputs)
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -182,24 +182,3 @@ def test_pass_gradients_are_joined_on_the_model_axis():
     np.testing.assert_array_equal(
         tf.convert_to_tensor(sparse).numpy()[:, 0], [0, 1, 2])
     assert passes.concat_gradients([None, None], [0, 1], (2,)) is None
-
-
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_prediction_in_passes_equals_one_pass(jit_compile):
-    x, y, weights = data()
-    array, _ = trained_array(network, None, x, y, weights, jit_compile)
-    whole = array.predict(x, batch_size=BATCH, verbose=0)
-    array.compile(loss=LOSS, jit_compile=jit_compile, models_per_pass=2)
-    passed = array.predict(x, batch_size=BATCH, verbose=0)
-    assert array.models_per_pass == 2
-    assert sorted(array._pass_models.models) == [1, 2]  # B = 3: 2 + 1
-    assert passed.shape == whole.shape == (N, B, 3)
-    assert_close(passed, whole)
-    # Per-model inputs: each pass reads its models' slices.
-    per_model = hftatf.fuse(network(), B, shared_inputs=False)
-    per_model.set_weights(array.get_weights())
-    stacked = np.stack([x, 2 * x, -x], axis=1)
-    expected = per_model.predict(stacked, batch_size=BATCH, verbose=0)
-    per_model.compile(loss=LOSS, jit_compile=jit_compile, models_per_pass=1)
-    assert_close(per_model.predict(stacked, batch_size=BATCH, verbose=0),
-                 expected)
