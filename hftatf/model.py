@@ -402,8 +402,11 @@ class FusedModel(keras.Model):
         self._model_loss_tracker = PerModelMean(self.num_models, name="loss")
         self._compile_config.config.update(
             metrics=metrics, weighted_metrics=weighted_metrics,
-            per_model_labels=per_model_labels,
-            models_per_pass=models_per_pass)
+            per_model_labels=per_model_labels)
+        if models_per_pass != "auto":
+            # Only where set: subclasses with training steps of their own
+            # (and compile signatures without it) reload their configs.
+            self._compile_config.config["models_per_pass"] = models_per_pass
 
     def _symbolic_build(self, iterator=None, data_batch=None):
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
