@@ -698,10 +698,28 @@ class FusedModel(keras.Model):
                   or convolutional.runs_on_accelerator()):
                 count = self.num_models
             else:
-                count = passes.auto_models_per_pass(
-                    self, keras.tree.flatten(x)[0].shape[0])
+                count = self._checked_auto_models_per_pass(
+                    passes.auto_models_per_pass(
+                        self, keras.tree.flatten(x)[0].shape[0]))
             self._resolved_models_per_pass = count
         return self._resolved_models_per_pass
+
+    def _checked_auto_models_per_pass(self, count):
+        """`count`, or all models if an array of `count` models cannot be
+        built from this array's config (e.g. a subclass whose constructor
+        takes more than its config holds): `"auto"` only speeds up."""
+        if count >= self.num_models:
+            return count
+        try:
+            for size in {stop - start for start, stop in passes.bounds(
+                    self.num_models, count)}:
+                self._pass_model(size)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            logging.info(
+                "Array '%s' trains in one pass: an array of %d of its models "
+                "cannot be built for passes (%s).", self.name, count, error)
+            return self.num_models
+        return count
 
     def _pass_model(self, count):
         """The array of `count` models whose layers run a pass, and the

@@ -56,9 +56,8 @@ def trained_array(builder, models_per_pass, x, y, weights, jit_compile,
     return array, history.history
 
 
-@pytest.mark.parametrize("jit_compile", [False, True])
-@pytest.mark.parametrize("models_per_pass", [1, 2])
-@pytest.mark.parametrize("per_model_labels", [False, True])
+@pytest.mark.parametrize("models_per_pass, per_model_labels, jit_compile", [
+    (1, False, False), (2, True, False), (1, True, True), (2, False, True)])
 def test_passes_train_each_model_as_stock_keras(models_per_pass,
                                                 per_model_labels,
                                                 jit_compile):
@@ -182,3 +181,21 @@ def test_pass_gradients_are_joined_on_the_model_axis():
     np.testing.assert_array_equal(
         tf.convert_to_tensor(sparse).numpy()[:, 0], [0, 1, 2])
     assert passes.concat_gradients([None, None], [0, 1], (2,)) is None
+
+
+def test_auto_keeps_one_pass_where_no_pass_array_can_be_built(monkeypatch):
+    x, y, _ = data()
+    array = hftatf.fuse(network(), B)
+
+    def unbuildable(count):
+        raise TypeError("a constructor argument the config does not hold")
+
+    monkeypatch.setattr(passes, "auto_models_per_pass", lambda *args: 1)
+    monkeypatch.setattr(array, "_pass_model", unbuildable)
+    array.compile("sgd", loss=LOSS, jit_compile=True)
+    array.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert array.models_per_pass == B
+    # Asked for explicitly, the failure is the user's to see.
+    array.compile("sgd", loss=LOSS, jit_compile=True, models_per_pass=1)
+    with pytest.raises(TypeError, match="constructor argument"):
+        array.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
