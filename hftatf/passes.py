@@ -24,7 +24,11 @@ of the work changes. Per kind of state:
 `compile(models_per_pass="auto")` (the default) uses passes only where they
 were measured to pay (`benchmarks/README.md`): on a CPU, in a step compiled
 with XLA, a pass holds as many models as fit their activations together in
-the last-level cache, at least one. Everywhere else the array is one pass.
+the last-level cache, at least one. Everywhere else the array is one pass,
+and so it is where no array of fewer models can be built from the array's
+config (a subclass whose constructor takes more than its config holds).
+Evaluation and prediction run in one pass: passes measured no faster
+there.
 """
 
 import glob
