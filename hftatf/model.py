@@ -203,6 +203,13 @@ def _sum_gradients(parts):
     return ops.sum(ops.stack(parts), axis=0) if parts else None
 
 
+def _pass_values(values, roles, start, stop):
+    """Values for the pass of models `start:stop`: the slices of those that
+    carry the model axis, the others whole."""
+    return [value[start:stop] if sliced else value
+            for value, sliced in zip(values, roles)]
+
+
 def _same_shape(a, b):
     return len(a) == len(b) and all(
         x is None or y is None or x == y for x, y in zip(a, b))
@@ -725,12 +732,9 @@ class FusedModel(keras.Model):
         """The array of `count` models whose layers run a pass, and the
         role of each variable (`passes.variable_roles`)."""
         if count not in self._pass_models.models:
-            config = _with_num_models(self.get_config(), self.num_models,
-                                      count)
             # Built outside the traced step: it creates variables.
             with tf.init_scope():
-                model = type(self).from_config(config)
-            self._pass_models.models[count] = model
+                self._pass_models.models[count] = self._rebuilt(count)
         model = self._pass_models.models[count]
         for layer, twin in zip(self._flatten_layers(include_self=False),
                                model._flatten_layers(include_self=False)):
@@ -748,6 +752,8 @@ class FusedModel(keras.Model):
         B = self.num_models
         trainable = self.trainable_variables
         states = self.non_trainable_variables
+        # Read once; each pass takes its slices.
+        values = [v.value for v in trainable]
         carried = [v.value for v in states]
         preds, losses = [], []
         gradients = [[] for _ in trainable]
@@ -764,10 +770,8 @@ class FusedModel(keras.Model):
                           for t, shared in zip(keras.tree.flatten(x),
                                                self._shared_inputs)]
             inputs = keras.tree.pack_sequence_as(x, inputs)
-            weights = [v.value[start:stop] if sliced else v.value
-                       for v, sliced in zip(trainable, trainable_roles)]
-            state = [value[start:stop] if sliced else value
-                     for value, sliced in zip(carried, state_roles)]
+            weights = _pass_values(values, trainable_roles, start, stop)
+            state = _pass_values(carried, state_roles, start, stop)
             with tf.GradientTape() as tape:
                 tape.watch(weights)
                 y_pred, state, added = model.stateless_call(
@@ -1006,6 +1010,12 @@ class FusedModel(keras.Model):
                     f"{self.num_models}). Received: {indices!r}.")
         return [int(i) for i in indices]
 
+    def _rebuilt(self, count):
+        """A new array of this architecture with `count` models (fresh
+        weights)."""
+        return type(self).from_config(_with_num_models(
+            self.get_config(), self.num_models, count))
+
     def select(self, indices):
         """Returns a smaller array holding only the models `indices`.
 
@@ -1023,8 +1033,7 @@ class FusedModel(keras.Model):
         if not indices:
             raise ValueError("select() needs at least one model index.")
         count = len(indices)
-        config = _with_num_models(self.get_config(), self.num_models, count)
-        array = type(self).from_config(config)
+        array = self._rebuilt(count)
         old_weights, new_weights = self.weights, array.weights
         if len(old_weights) != len(new_weights):
             raise ValueError(
