@@ -30,6 +30,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from benchmarks import measure  # noqa: E402
@@ -67,7 +68,10 @@ def probe(spec):
             "epoch_seconds"]
     batch = next(iter(dataset))
     result["step_flops"] = measure.train_step_flops(model, batch)
-    result["parameters"] = int(model.count_params())
+    # Summed from the weights: a subclassed stock twin (the GAN) may not
+    # count as built, which count_params() requires.
+    result["parameters"] = int(sum(np.prod(w.shape)
+                                   for w in model.weights))
     result["matmul_peak_flops"], result["matmul_peak"] = (
         measure.matmul_peak(spec.get("peak_size", 2048),
                             spec.get("peak_seconds", 2.0)))

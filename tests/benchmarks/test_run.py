@@ -14,7 +14,7 @@ import tensorflow as tf
 # The harness lives next to the package, not inside it.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from benchmarks import measure, run  # noqa: E402
+from benchmarks import measure, run, worker  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
     Workload,
     parse_overrides,
@@ -125,6 +125,23 @@ def test_stock_gan_twin_trains_like_the_array():
     array = work.fused_model(2, jit_compile=False)
     logs = array.fit(dataset, steps_per_epoch=2, verbose=0).history
     assert {"d_loss_0", "g_loss_1"} <= set(logs)
+
+
+def test_probe_measures_a_stock_twin_with_a_step_of_its_own():
+    # The GAN twin holds its weights in two inner models and does not count
+    # as built itself, which `count_params()` requires.
+    spec = {"model": "dcgan", "batch_size": 4, "seed": 0,
+            "model_args": {"latent_dim": 8, "filters": 4, "image_size": 8},
+            "data_args": {"image_size": 8}, "data_batches": 2, "steps": 1,
+            "epochs": 1, "warmup_steps": 1, "jit_settings": [False],
+            "peak_size": 64, "peak_seconds": 0.05}
+    result = worker.probe(spec)
+    stock = Workload("dcgan", batch_size=4, model_args=spec["model_args"],
+                     data_args=spec["data_args"]).stock_model(False)
+    inner = (stock.generator.count_params()
+             + stock.discriminator.count_params())
+    assert inner <= result["parameters"] <= inner + 2  # + a seed state
+    assert result["step_flops"] > 0 and len(result["jit"]["false"]) == 1
 
 
 def test_epoch_timer_records_wall_and_processor_time():
