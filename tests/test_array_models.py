@@ -25,11 +25,17 @@ def data(seed=0, n=32):
             rng.normal(size=(n, 2)).astype("float32"))
 
 
-def array_with(optimizer, seed=0):
+def array_with(optimizer, seed=0, jit_compile="auto"):
     keras.utils.set_random_seed(seed)
     array = hftatf.fuse(regressor(), B)
-    array.compile(optimizer=optimizer, loss="mse")
+    array.compile(optimizer=optimizer, loss="mse", jit_compile=jit_compile)
     return array
+
+
+# Isolation with XLA's kernels and with TensorFlow's own (the per-model
+# selection of updates compiles differently).
+JIT_COMPILE = pytest.mark.parametrize("jit_compile", [True, False],
+                                      ids=["xla", "no_xla"])
 
 
 def fit(array, epochs=3, **kwargs):
@@ -42,9 +48,13 @@ def fit(array, epochs=3, **kwargs):
     lambda rates: hftatf.optimizers.SGD(rates, momentum=0.9),
     lambda rates: hftatf.optimizers.Adam(rates),
 ], ids=["sgd_momentum", "adam"])
-def test_a_diverging_model_does_not_touch_the_others(make_optimizer, caplog):
-    healthy = array_with(make_optimizer([0.01, 0.02, 0.03]))
-    poisoned = array_with(make_optimizer([1e30, 0.02, 0.03]))
+@JIT_COMPILE
+def test_a_diverging_model_does_not_touch_the_others(make_optimizer,
+                                                     jit_compile, caplog):
+    healthy = array_with(make_optimizer([0.01, 0.02, 0.03]),
+                         jit_compile=jit_compile)
+    poisoned = array_with(make_optimizer([1e30, 0.02, 0.03]),
+                          jit_compile=jit_compile)
     initial = poisoned.get_model_weights(0)
     fit(healthy)
     with caplog.at_level(logging.WARNING):
@@ -70,8 +80,10 @@ def test_a_diverging_model_does_not_touch_the_others(make_optimizer, caplog):
     assert len(messages) == 1 and "Model 0" in messages[0]
 
 
-def test_a_frozen_model_keeps_its_weights_and_optimizer_state():
-    array = array_with(hftatf.optimizers.Adam([0.01, 0.02, 0.03]))
+@JIT_COMPILE
+def test_a_frozen_model_keeps_its_weights_and_optimizer_state(jit_compile):
+    array = array_with(hftatf.optimizers.Adam([0.01, 0.02, 0.03]),
+                       jit_compile=jit_compile)
     fit(array, epochs=1)
     array.freeze_models([1])
     weights = array.get_model_weights(1)
