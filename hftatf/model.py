@@ -113,11 +113,34 @@ class _DivergenceReport(keras.callbacks.Callback):
 
 
 def _finite_per_model(tensors, num_models):
-    """`[B]` booleans: whether model `b`'s slice of every tensor is finite."""
+    """`[B]` booleans: whether model `b`'s slice of every tensor is finite.
+
+    Tested first by one sum per tensor and model, which reads each tensor
+    once and stores nothing of its size: a non-finite element makes its
+    model's sum non-finite. Only where some sum is not finite (a diverging
+    model, or finite values whose sum overflows) does the element-wise
+    test run."""
+    tensors = [t for t in tensors if t is not None]
+    total = ops.zeros((num_models,), "float32")
+    for tensor in tensors:
+        if isinstance(tensor, tf.IndexedSlices):
+            # Rows of a [B, ...] variable: the indices are model indices.
+            rows = ops.sum(ops.reshape(
+                tensor.values, (ops.shape(tensor.values)[0], -1)), axis=1)
+            sums = tf.math.unsorted_segment_sum(rows, tensor.indices,
+                                                num_models)
+        else:
+            sums = ops.sum(ops.reshape(tensor, (num_models, -1)), axis=1)
+        total = total + ops.cast(sums, "float32")
+    return ops.cond(ops.all(ops.isfinite(total)),
+                    lambda: ops.ones((num_models,), "bool"),
+                    lambda: _finite_elements_per_model(tensors, num_models))
+
+
+def _finite_elements_per_model(tensors, num_models):
+    """`_finite_per_model`, element by element."""
     finite = ops.ones((num_models,), "bool")
     for tensor in tensors:
-        if tensor is None:
-            continue
         if isinstance(tensor, tf.IndexedSlices):
             # Rows of a [B, ...] variable: the indices are model indices.
             rows = ops.all(ops.reshape(ops.isfinite(tensor.values),
@@ -837,14 +860,13 @@ class FusedModel(keras.Model):
         Returns:
             The `[B]` booleans of the models that took the step.
         """
-        finite = _finite_per_model(keras.tree.flatten(losses),
-                                   self.num_models)
+        checked = list(keras.tree.flatten(losses))
         for optimizer, gradients, _ in updates:
             # A loss-scaling optimizer skips non-finite gradients itself,
             # per model: they are no sign of divergence there.
             if not getattr(optimizer, "skips_nonfinite_steps", False):
-                finite = ops.logical_and(finite, _finite_per_model(
-                    gradients, self.num_models))
+                checked.extend(gradients)
+        finite = _finite_per_model(checked, self.num_models)
         active = self._status.active > 0
         training = ops.logical_and(active, finite)
         for optimizer, gradients, variables in updates:

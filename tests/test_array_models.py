@@ -6,6 +6,7 @@ import logging
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from testing import assert_close
 
 import hftatf
@@ -174,3 +175,37 @@ def test_select_of_an_uncompiled_array_and_bad_indices():
         array.select([])
     with pytest.raises(ValueError, match="indices"):
         array.select([5])
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_finite_per_model_is_exact(mode):
+    from hftatf.model import _finite_per_model
+
+    big = np.float32(3e38)  # finite; two of them sum to inf
+    dense = np.array([[big, big], [1.0, 2.0], [0.0, 0.0]], "float32")
+    nan = dense.copy()
+    nan[1, 0] = np.nan
+    infs = dense.copy()
+    infs[2] = [np.inf, -np.inf]  # their sum is NaN
+    sparse = (np.array([[1.0, big], [2.0, np.nan], [big, 1.0]], "float32"),
+              np.array([0, 2, 0], "int64"))
+
+    def check(*tensors):
+        return _finite_per_model(list(tensors), B)
+
+    def run(*tensors):
+        tensors = [tf.IndexedSlices(tf.constant(v), tf.constant(i),
+                                    tf.constant([B, 2], "int64"))
+                   if isinstance(v, np.ndarray) and i is not None
+                   else tf.constant(v) for v, i in tensors]
+        if mode == "eager":
+            return np.asarray(check(*tensors))
+        return np.asarray(tf.function(check, jit_compile=mode == "xla")(
+            *tensors))
+
+    assert list(run((dense, None))) == [True, True, True]
+    assert list(run((dense, None), (nan, None))) == [True, False, True]
+    assert list(run((infs, None), (dense, None))) == [True, True, False]
+    # Rows of models 0 (overflowing sum, finite) and 2 (NaN); none of 1.
+    assert list(run((dense, None), sparse)) == [True, True, False]
+    assert list(run((np.zeros((B,), "float32"), None))) == [True] * B
