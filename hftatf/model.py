@@ -123,15 +123,9 @@ def _finite_per_model(tensors, num_models):
     tensors = [t for t in tensors if t is not None]
     total = ops.zeros((num_models,), "float32")
     for tensor in tensors:
-        if isinstance(tensor, tf.IndexedSlices):
-            # Rows of a [B, ...] variable: the indices are model indices.
-            rows = ops.sum(ops.reshape(
-                tensor.values, (ops.shape(tensor.values)[0], -1)), axis=1)
-            sums = tf.math.unsorted_segment_sum(rows, tensor.indices,
-                                                num_models)
-        else:
-            sums = ops.sum(ops.reshape(tensor, (num_models, -1)), axis=1)
-        total = total + ops.cast(sums, "float32")
+        total = total + ops.cast(_per_model(
+            tensor, num_models, lambda rows: ops.sum(rows, axis=1),
+            tf.math.unsorted_segment_sum), "float32")
     return ops.cond(ops.all(ops.isfinite(total)),
                     lambda: ops.ones((num_models,), "bool"),
                     lambda: _finite_elements_per_model(tensors, num_models))
@@ -141,18 +135,24 @@ def _finite_elements_per_model(tensors, num_models):
     """`_finite_per_model`, element by element."""
     finite = ops.ones((num_models,), "bool")
     for tensor in tensors:
-        if isinstance(tensor, tf.IndexedSlices):
-            # Rows of a [B, ...] variable: the indices are model indices.
-            rows = ops.all(ops.reshape(ops.isfinite(tensor.values),
-                                       (ops.shape(tensor.values)[0], -1)),
-                           axis=1)
-            per_model = tf.math.unsorted_segment_min(
-                ops.cast(rows, "int32"), tensor.indices, num_models) > 0
-        else:
-            per_model = ops.all(ops.reshape(ops.isfinite(tensor),
-                                            (num_models, -1)), axis=1)
-        finite = ops.logical_and(finite, per_model)
+        finite = ops.logical_and(finite, _per_model(
+            tensor, num_models, lambda rows: ops.cast(
+                ops.all(ops.isfinite(rows), axis=1), "int32"),
+            tf.math.unsorted_segment_min) > 0)
     return finite
+
+
+def _per_model(tensor, num_models, reduce_rows, join_rows):
+    """`[B]`: each model's elements of a `[B, ...]` tensor reduced by
+    `reduce_rows` (`[rows, n] -> [rows]`). For an `IndexedSlices` of a
+    `[B, ...]` variable, whose indices are model indices, each of its rows
+    is reduced and a model's rows joined by `join_rows` (a segment
+    reduction)."""
+    if isinstance(tensor, tf.IndexedSlices):
+        values = tensor.values
+        rows = reduce_rows(ops.reshape(values, (ops.shape(values)[0], -1)))
+        return join_rows(rows, tensor.indices, num_models)
+    return reduce_rows(ops.reshape(tensor, (num_models, -1)))
 
 
 def _model_slices(tensor, num_models):

@@ -10,6 +10,7 @@ import tensorflow as tf
 from testing import assert_close
 
 import hftatf
+from hftatf.model import _finite_per_model
 
 B = 3
 
@@ -179,8 +180,6 @@ def test_select_of_an_uncompiled_array_and_bad_indices():
 
 @pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
 def test_finite_per_model_is_exact(mode):
-    from hftatf.model import _finite_per_model
-
     big = np.float32(3e38)  # finite; two of them sum to inf
     dense = np.array([[big, big], [1.0, 2.0], [0.0, 0.0]], "float32")
     nan = dense.copy()
@@ -196,7 +195,7 @@ def test_finite_per_model_is_exact(mode):
     def run(*tensors):
         tensors = [tf.IndexedSlices(tf.constant(v), tf.constant(i),
                                     tf.constant([B, 2], "int64"))
-                   if isinstance(v, np.ndarray) and i is not None
+                   if i is not None
                    else tf.constant(v) for v, i in tensors]
         if mode == "eager":
             return np.asarray(check(*tensors))
