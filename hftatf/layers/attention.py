@@ -4,8 +4,12 @@ additive attention.
 Multi-head and grouped-query attention: projections are `FusedEinsumDense`
 sublayers built from the stock layer's own einsum equations, so every
 weight is `[B, *stock weight shape]` in the stock order. Attention itself
-runs on `[batch, B, ...]` tensors with the stock equations rewritten with a
-model axis after the batch axis.
+has no weights and treats every sample of every model on its own: it runs
+the stock equations on `[batch * B, ...]` tensors, the model axis folded
+into the batch axis. Folded, the equations are the stock layer's exactly,
+so the backend runs the kernels it runs for stock attention (TensorFlow's
+Keras backend turns them into transposes and batched matmuls, which are
+faster on CPU than a general einsum with an extra axis).
 
 Their `attention_mask`: a mask of the stock rank (e.g. `[batch, T, S]`) is
 shared by all models; a mask with one more axis carries the model axis at 1
@@ -16,7 +20,6 @@ the stock layers.
 """
 
 import math
-import string
 
 import keras
 from keras import ops
@@ -46,20 +49,10 @@ __all__ = [
 ]
 
 
-def _with_model_axis(equation):
-    """Inserts a fresh model letter after the batch letter of every term of
-    an einsum equation whose terms all start with the batch axis."""
-    model = next(c for c in string.ascii_letters if c not in equation)
-    inputs, output = equation.split("->")
-    terms = [term[0] + model + term[1:]
-             for term in (*inputs.split(","), output)]
-    return ",".join(terms[:-1]) + "->" + terms[-1]
-
-
 class FusedAttentionBase(FusedLayer):
     """Shared machinery of the fused attention layers.
 
-    Subclasses build their projections with `_dense`, set the fused
+    Subclasses build their projections with `_dense`, set the stock
     `_dot_product_equation` and `_combine_equation`, `_softmax`,
     `_dropout_layer` and `_scale`, and call `_compute_attention`.
 
@@ -215,21 +208,19 @@ class FusedAttentionBase(FusedLayer):
         return ops.less(ops.abs(rows - columns), self._sliding_window)
 
     def _masked_softmax(self, scores, attention_mask=None, num_axes=1):
+        """The stock masked softmax of folded scores `[batch * B, ...]`
+        under a fused mask `[batch or 1, B or 1, ...]`."""
         if attention_mask is not None:
             # Inserts the heads axis (and any missing leading axes) in front
             # of the attention axes, as the stock layer does.
-            for _ in range(len(scores.shape) - len(attention_mask.shape)):
+            for _ in range(len(scores.shape) + 1 - len(attention_mask.shape)):
                 attention_mask = ops.expand_dims(attention_mask,
                                                  axis=-2 * num_axes - 1)
             attention_mask = fold_model_axis(ops.broadcast_to(
                 attention_mask,
-                (*ops.shape(scores)[:2], *ops.shape(attention_mask)[2:])))
-        # The stock softmax on per-model scores, the model axis folded into
-        # the batch axis: TensorFlow's softmax kernel takes at most 5 axes,
-        # which fused scores exceed where the stock ones reach 5.
-        probabilities = self._softmax(fold_model_axis(scores),
-                                      mask=attention_mask)
-        return unfold_model_axis(probabilities, self.num_models)
+                (ops.shape(scores)[0] // self.num_models, self.num_models,
+                 *ops.shape(attention_mask)[2:])))
+        return self._softmax(scores, mask=attention_mask)
 
     # Attention.
 
@@ -258,14 +249,17 @@ class FusedAttentionBase(FusedLayer):
                 causal_mask if attention_mask is None else ops.logical_and(
                     ops.cast(attention_mask, "bool"), causal_mask))
         query = ops.multiply(query, ops.cast(self._scale, query.dtype))
-        scores = self._attention_logits(query, key)
+        scores = self._attention_logits(fold_model_axis(query),
+                                        fold_model_axis(key))
         scores = self._masked_softmax(scores, attention_mask, num_axes)
         if self._dropout > 0.0:
             final_scores = self._dropout_layer(scores, training=training)
         else:
             final_scores = scores
-        output = ops.einsum(self._combine_equation, final_scores, value)
-        return output, scores
+        output = ops.einsum(self._combine_equation, final_scores,
+                            fold_model_axis(value))
+        return (unfold_model_axis(output, self.num_models),
+                unfold_model_axis(scores, self.num_models))
 
     def _folded_dot_product_attention(self, query, key, value, mask,
                                       is_causal):
@@ -501,8 +495,8 @@ class FusedMultiHeadAttention(FusedAttentionBase):
                 for axis in self._attention_axes)
         dot_product, combine, scores_rank = _build_attention_equation(
             rank, attn_axes=self._attention_axes)
-        self._dot_product_equation = _with_model_axis(dot_product)
-        self._combine_equation = _with_model_axis(combine)
+        self._dot_product_equation = dot_product
+        self._combine_equation = combine
         self._build_softmax_and_dropout(scores_rank,
                                         len(self._attention_axes))
 
@@ -658,8 +652,8 @@ class FusedGroupQueryAttention(FusedAttentionBase):
         self.num_key_value_heads = num_key_value_heads
         self.num_repeats = num_query_heads // num_key_value_heads
         self._scale = 1.0 / math.sqrt(float(head_dim))
-        self._dot_product_equation = _with_model_axis("bquh,bkuh->buqk")
-        self._combine_equation = _with_model_axis("buqk,bkuh->bquh")
+        self._dot_product_equation = "bquh,bkuh->buqk"
+        self._combine_equation = "buqk,bkuh->bquh"
 
     @property
     def dropout(self):

@@ -7,7 +7,9 @@ stock layer computes with weights `w[b]` on input `x[:, b]`.
 """
 
 import keras
+import tensorflow as tf
 from keras import ops
+from tensorflow.python.ops import control_flow_util
 
 from hftatf.validation import check_num_models
 
@@ -69,6 +71,15 @@ class Modelwise:
                           for b in range(self.num_models)])
 
 
+def compiling_with_xla():
+    """Whether the computation being traced will be compiled by XLA (inside
+    a `tf.function(jit_compile=True)`, as Keras builds for
+    `jit_compile=True`). Layers use it to pick the formulation XLA compiles
+    well, where TensorFlow's own kernels prefer another."""
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
+
+
 def repeat_for_models(tensor, num_models):
     """A shared `[batch, ...]` tensor (an input or its mask) as every
     model's: `[batch, B, ...]`."""
@@ -78,6 +89,32 @@ def repeat_for_models(tensor, num_models):
 def broadcast_to_models(values, ndim):
     """Reshapes a `[B]` vector to `[B, 1, ..., 1]` of rank `ndim`."""
     return ops.reshape(values, (-1,) + (1,) * (ndim - 1))
+
+
+def as_one_sample(values, like):
+    """Per-model values that broadcast against `like` (`[batch, B, ...]`),
+    given as `[1, B, ...]` or `[B, ...]`, broadcast to one sample of it:
+    `[B, *like.shape[2:]]`.
+
+    Added to or multiplied with `like`, they then broadcast over the batch
+    axis alone, which TensorFlow's CPU kernels run as one row broadcast
+    and whose gradient is a reduction over the leading axis, then one over
+    a tensor the size of a sample. A `[1, B, 1, ..., n]` operand takes the
+    general broadcasting path, and its gradient reduces the batch and inner
+    axes at once: for a bias of a BERT-mini array of 8 (`[64, 8, 64, 256]`
+    activations), 23.6 ms of processor time against 3.9 ms. The values are
+    unchanged: each model still adds (or scales by) its own. Values that
+    vary along the batch axis (a layer normalising over it) are returned as
+    they are.
+    """
+    if compiling_with_xla():
+        # XLA fuses the broadcast and compiles its own reductions.
+        return values
+    if len(values.shape) == len(like.shape):
+        if values.shape[0] != 1:
+            return values
+        values = ops.squeeze(values, 0)
+    return ops.broadcast_to(values, ops.shape(like)[1:])
 
 
 class FusedLayer(keras.layers.Layer):

@@ -1,26 +1,21 @@
 """Fused dense layers."""
 
+import math
 import re
 import string
 
 import keras
-import tensorflow as tf
 from keras import ops
-from tensorflow.python.ops import control_flow_util
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer, repeat_for_models
+from hftatf.layers.base import (
+    FusedLayer,
+    as_one_sample,
+    compiling_with_xla,
+    repeat_for_models,
+)
 from hftatf.validation import check_model_axis
-
-
-def compiling_with_xla():
-    """Whether the computation being traced will be compiled by XLA (inside
-    a `tf.function(jit_compile=True)`, as Keras builds for
-    `jit_compile=True`). Layers use it to pick the formulation XLA compiles
-    well, where TensorFlow's own kernels prefer another."""
-    return control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
 
 
 def per_model_matmul(inputs, kernel, bias=None):
@@ -33,19 +28,22 @@ def per_model_matmul(inputs, kernel, bias=None):
 
     * one model: the stock layer's computation on `x[:, 0]`;
     * under XLA, inputs `[batch, B, in]`: one einsum (one batched matmul);
-      inputs with positions (`[batch, B, S, in]`, `S` rows per sample and
-      model): the models moved first, `[B, batch * S, in]`, and one batched
-      matmul (never an ellipsis einsum, whose TensorFlow gradient
-      materialises one product per position before summing);
     * for TensorFlow's own kernels, inputs `[batch, B, in]`: one batched
       matmul between explicit transposes (its einsum kernel does the same
       transposes, more slowly);
-    * for TensorFlow's own kernels, inputs with positions: a broadcasting
-      batched matmul (`B x batch` products `[S, in] @ [in, out]`, no
-      copies, but a kernel gradient of `batch x in x out` per model) where
-      that gradient is smaller than the activations, `in * out <= S * (in +
-      out)`; else each model's stock product on its own slice (one
-      `unstack` and one `stack` of the activations).
+    * inputs with positions (`[batch, B, S, in]`, `S` rows per sample and
+      model): for TensorFlow's own kernels, where the kernel is small,
+      `in * out <= S * (in + out)`, a broadcasting batched matmul (`B x
+      batch` products `[S, in] @ [in, out]`: no copies, but a kernel
+      gradient of `batch x in x out` per model, smaller than the
+      activations); else the models moved first, `[B, batch * S, in]`, and
+      one batched matmul between two transposes. Under XLA always the
+      latter: XLA's CPU lowering of the einsum `bmsi,mio->bmso` (and of
+      its gradients) is about 2x slower. Without XLA, with the products of
+      a BERT-mini array of 8 (`[64, 8, 64, 256] @ [8, 256, 1024]`, with
+      gradients), the transposes took 179 ms of processor time against
+      248 ms for each model's product on its own `unstack`ed slice and 224
+      ms broadcast.
     """
     num_models, size_in, size_out = kernel.shape
     if num_models == 1:
@@ -69,28 +67,14 @@ def per_model_matmul(inputs, kernel, bias=None):
     shape = ops.shape(inputs)
     rows = ops.reshape(inputs, (shape[0], num_models, -1, size_in))
     positions = rows.shape[2]
-    if xla:
-        # Models first, `[B, batch * S, in]`: one batched matmul between
-        # two transposes. XLA's CPU lowering of the einsum
-        # `bmsi,mio->bmso` (and of its gradients) is about 2x slower.
+    if not xla and positions is not None and (
+            size_in * size_out <= positions * (size_in + size_out)):
+        outputs = ops.matmul(rows, ops.expand_dims(kernel, 0))
+    else:
         outputs = ops.transpose(ops.reshape(ops.matmul(
             ops.reshape(ops.transpose(rows, (1, 0, 2, 3)),
                         (num_models, -1, size_in)), kernel),
             (num_models, shape[0], -1, size_out)), (1, 0, 2, 3))
-    elif positions is not None and (
-            size_in * size_out <= positions * (size_in + size_out)):
-        outputs = ops.matmul(rows, ops.expand_dims(kernel, 0))
-    else:
-        biases = [None] * num_models if bias is None else ops.unstack(bias)
-        products = []
-        for x, weights, offset in zip(ops.unstack(rows, axis=1),
-                                      ops.unstack(kernel), biases):
-            product = ops.matmul(x, weights)
-            # As the stock layer adds its bias (a TensorFlow BiasAdd).
-            products.append(product if offset is None
-                            else ops.add(product, offset))
-        outputs = ops.stack(products, axis=1)
-        bias = None
     if bias is not None:
         outputs = add_per_model(outputs, bias)
     return ops.reshape(outputs, (*shape[:-1], size_out))
@@ -132,15 +116,13 @@ def add_per_model(outputs, values):
     """`outputs` (`[batch, B, ..., n]`) plus each model's `values[b]`
     (`[B, n]`), as a stock layer adds its bias to every position.
 
-    The values are laid out as one sample (`[B, ..., n]`) first: a
-    broadcast over the batch axis alone is one fast row broadcast for
-    TensorFlow's CPU kernels, where `[B, 1, ..., 1, n]` takes the general
-    (several times slower) path.
+    The values are laid out as one sample (`[B, ..., n]`, `as_one_sample`)
+    first.
     """
     inner = (1,) * (len(outputs.shape) - 3)
     values = ops.reshape(values, (values.shape[0], *inner, values.shape[-1]))
     if inner:
-        values = ops.broadcast_to(values, ops.shape(outputs)[1:])
+        values = as_one_sample(values, outputs)
     # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the axis
     # from the shapes alone.
     return outputs + values
@@ -435,6 +417,8 @@ class _EinsumPlan:
         model = next(fresh)
         self.equation = (f"{batch}{model}{inputs[1:]},{model}{kernel_spec}->"
                          f"{batch}{model}{outputs[1:]}")
+        self.matmul = _matmul_form(inputs, kernel_spec, outputs,
+                                   self.kernel_shape)
 
     def _plan_bias(self, bias_axes, outputs, output_spec, sizes):
         for dim in bias_axes:
@@ -456,6 +440,30 @@ class _EinsumPlan:
             raise ValueError(
                 f"The size of a bias dimension ('{bias_axes}') is unknown. "
                 "Give it in `output_shape` or in the input shape.")
+
+
+def _matmul_form(inputs, kernel_spec, outputs, kernel_shape):
+    """How an `EinsumDense` equation is a plain matmul, or None.
+
+    It is one when the kernel's first axes are the input's last axes, in
+    order, and the output is the input's other axes followed by the
+    kernel's other axes (e.g. `"abc,cde->abde"`, `"abcd,cde->abe"`, the
+    projections of multi-head attention). Then the product is
+    `x.reshape(..., in) @ kernel.reshape(in, out)`, reshaped back.
+
+    Returns:
+        `(contracted, size_in, size_out, output_dims)`: the number of
+        contracted (trailing input) axes, their total size, the total size
+        of the kernel's output axes, and those axes' sizes.
+    """
+    for contracted in range(1, len(kernel_spec) + 1):
+        kept = len(inputs) - contracted
+        if (kept >= 1 and inputs[kept:] == kernel_spec[:contracted]
+                and outputs == inputs[:kept] + kernel_spec[contracted:]):
+            output_dims = tuple(kernel_shape[contracted:])
+            return (contracted, math.prod(kernel_shape[:contracted]),
+                    math.prod(output_dims), output_dims)
+    return None
 
 
 def _with_fan_axes(initializer, input_axes, output_axes):
@@ -569,6 +577,7 @@ class FusedEinsumDense(FusedLayer):
         self.input_spec = keras.layers.InputSpec(
             ndim=len(input_shape), axes={1: self.num_models})
         self._fused_equation = plan.equation
+        self._matmul = plan.matmul
         self.kernel = self.add_model_weight(
             plan.kernel_shape,
             name="kernel",
@@ -593,7 +602,19 @@ class FusedEinsumDense(FusedLayer):
                                 *plan.bias_shape)
 
     def call(self, inputs, training=None):
-        if self.num_models > 1 and compiling_with_xla():
+        if self._matmul is not None:
+            # A plain matmul of flattened axes: the formulation each backend
+            # runs fastest (`per_model_matmul`), where an einsum with a
+            # model axis is a general (slower) einsum kernel.
+            contracted, size_in, size_out, output_dims = self._matmul
+            shape = ops.shape(inputs)
+            kept = shape[:len(inputs.shape) - contracted]
+            outputs = ops.reshape(per_model_matmul(
+                ops.reshape(inputs, (*kept, size_in)),
+                ops.reshape(self.kernel,
+                            (self.num_models, size_in, size_out))),
+                (*kept, *output_dims))
+        elif self.num_models > 1 and compiling_with_xla():
             # Models first: XLA:CPU lowers the einsum (and its gradients)
             # about 2x faster when the model axis leads both operands, as
             # for `per_model_matmul`.
@@ -605,7 +626,8 @@ class FusedEinsumDense(FusedLayer):
         if self.bias is not None:
             # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the
             # axis from the shapes alone.
-            outputs = outputs + ops.reshape(self.bias, self._bias_shape)
+            outputs = outputs + as_one_sample(
+                ops.reshape(self.bias, self._bias_shape), outputs)
         if self.activation is not None:
             outputs = self.activation(outputs)
         return outputs

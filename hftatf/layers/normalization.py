@@ -20,8 +20,7 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer
-from hftatf.layers.dense import compiling_with_xla
+from hftatf.layers.base import FusedLayer, as_one_sample, compiling_with_xla
 from hftatf.validation import check_model_axis
 
 __all__ = [
@@ -197,11 +196,13 @@ class AffineNormalization(FusedLayer):
                 constraint=self.beta_constraint,
             )
 
-    def _broadcast_weight(self, weight, dtype, stock_broadcast_shape):
+    def _broadcast_weight(self, weight, dtype, stock_broadcast_shape, like):
+        """`weight` (`[B, *w]`) as one sample of `like` (`[batch, B,
+        ...]`), in `dtype`."""
         if weight is None:
             return None
-        return ops.cast(to_model_broadcast(weight, stock_broadcast_shape),
-                        dtype)
+        return as_one_sample(ops.cast(
+            to_model_broadcast(weight, stock_broadcast_shape), dtype), like)
 
     def compute_output_shape(self, input_shape):
         return input_shape
@@ -636,9 +637,9 @@ class FusedLayerNormalization(AffineNormalization):
         epsilon = (keras.backend.epsilon() if self.epsilon is None
                    else self.epsilon)
         gamma = self._broadcast_weight(self.gamma, dtype,
-                                       self._stock_broadcast_shape)
+                                       self._stock_broadcast_shape, x)
         beta = self._broadcast_weight(self.beta, dtype,
-                                      self._stock_broadcast_shape)
+                                      self._stock_broadcast_shape, x)
         if self.rms_scaling:
             variance = ops.var(x, axis=self._norm_axes, keepdims=True)
             outputs = x * ops.rsqrt(variance + epsilon)
@@ -778,9 +779,9 @@ class FusedGroupNormalization(AffineNormalization):
         mean, variance = ops.moments(x, axes=reduction_axes, keepdims=True)
         inv = ops.rsqrt(variance + self.epsilon)
         gamma = self._broadcast_weight(self.gamma, dtype,
-                                       self._stock_broadcast_shape)
+                                       self._stock_broadcast_shape, x)
         beta = self._broadcast_weight(self.beta, dtype,
-                                      self._stock_broadcast_shape)
+                                      self._stock_broadcast_shape, x)
         if gamma is not None:
             inv = inv * gamma
         shift = -mean * inv

@@ -1,7 +1,9 @@
 """Every formulation a fused layer may choose computes the stock layer.
 
 Fused layers pick their computation by speed: per shape (`FusedDense` on
-inputs with positions takes a broadcasting matmul or an einsum), under XLA
+inputs with positions takes a broadcasting matmul or a models-first one;
+`FusedEinsumDense` takes the dense products where its equation is a
+matmul, an einsum with a model axis where it is not), under XLA
 or not, per device (convolutions per model on a CPU, folded into the
 channel axis on a GPU or TPU), and for one model (the stock product). Each
 choice is checked here against B stock layers, in its own conditions:
@@ -21,7 +23,9 @@ from hftatf.layers import (
     FusedDense,
     FusedDepthwiseConv2D,
     FusedEinsumDense,
+    FusedLayerNormalization,
     FusedSeparableConv2D,
+    base,
     convolutional,
     dense,
 )
@@ -70,12 +74,13 @@ def check(stock, fused, per_model_shape, xla, rng, **call_kwargs):
 # -- FusedDense --------------------------------------------------------------
 
 # (per-model input shape, units): without XLA, inputs with positions take
-# the broadcasting matmul if `in * out <= S * (in + out)`, per-model products
-# otherwise; under XLA, an einsum (vectors) or a models-first batched matmul.
+# the broadcasting matmul if `in * out <= S * (in + out)`, a models-first
+# batched matmul otherwise; under XLA, an einsum (vectors) or a models-first
+# batched matmul.
 DENSE_CASES = {
     "vector": ((5,), 3),
     "positions-matmul": ((16, 3), 4),
-    "positions-per-model": ((2, 8), 8),
+    "positions-models-first": ((2, 8), 8),
     "rank4": ((3, 2, 6), 5),
 }
 
@@ -98,6 +103,8 @@ EINSUM_CASES = {
     "combine": ("abde,dec->abc", (5, 6), "c", (5, 2, 4)),
     "vector": ("ab,bc->ac", 4, "c", (6,)),
     "ellipsis": ("...b,bc->...c", 4, None, (3, 6)),
+    # Not a matmul of trailing axes: an einsum with a model axis.
+    "transposed": ("abc,bd->adc", (4, 6), "d", (5, 6)),
 }
 
 
@@ -126,15 +133,39 @@ def test_dense_rule_follows_the_sizes():
         op_types.append({op.type for op in concrete.graph.get_operations()})
     # Many positions: one broadcasting batched matmul, no copies.
     assert "BatchMatMulV2" in op_types[0] and "Unpack" not in op_types[0]
-    # Few: each model's own product, on slices from one unstack.
-    assert "Unpack" in op_types[1] and "Einsum" not in op_types[1]
+    # Few: the models moved first, one batched matmul between transposes.
+    assert {"BatchMatMulV2", "Transpose"} <= op_types[1]
+    assert not {"Unpack", "Einsum"} & op_types[1]
+
+
+@pytest.mark.parametrize("equation, output_shape, shape, form", [
+    # Multi-head attention's projections: the trailing input axes contract.
+    # Form: (contracted axes, in, out, the kernel's output axes).
+    ("abc,cde->abde", (None, 2, 3), (4, 5), (1, 5, 6, (2, 3))),
+    ("abcd,cde->abe", (None, 6), (4, 2, 5), (2, 10, 6, (6,))),
+    ("abc,bcd->ad", 4, (4, 5), (2, 20, 4, (4,))),
+    ("...b,bc->...c", 4, (4, 5), (1, 5, 4, (4,))),
+    # The contracted axis is not trailing, or the output is reordered.
+    ("abc,bd->adc", (4, 5), (4, 5), None),
+    ("abc,cd->adb", (4, 4), (4, 5), None),
+    ("ab...,bc->ac...", 4, (4, 5), None),
+])
+def test_einsum_dense_takes_the_dense_products_of_matmul_equations(
+        equation, output_shape, shape, form):
+    layer = FusedEinsumDense(3, equation, output_shape)
+    layer.build((BATCH, 3, *shape))
+    assert layer._matmul == form
+    graph = tf.function(layer).get_concrete_function(
+        tf.TensorSpec((BATCH, 3, *shape))).graph
+    op_types = {op.type for op in graph.get_operations()}
+    assert ("Einsum" in op_types) == (form is None)
 
 
 def test_compiling_with_xla_tells_the_trace():
     seen = []
 
     def record(x):
-        seen.append(dense.compiling_with_xla())
+        seen.append(base.compiling_with_xla())
         return x
 
     tf.function(record, jit_compile=True)(tf.zeros(()))
@@ -210,3 +241,38 @@ def test_per_model_convolution_slices_with_one_unstack():
     op_types = [op.type for op in concrete.graph.get_operations()]
     assert op_types.count("Unpack") == 3  # the input, kernel and bias
     assert "StridedSlice" not in op_types
+
+
+@pytest.mark.parametrize("layer", [
+    FusedEinsumDense(3, "abc,cd->abd", (None, 6), bias_axes="d"),
+    FusedEinsumDense(3, "abc,bd->adc", (4, 5), bias_axes="d"),
+    FusedLayerNormalization(3),
+    FusedDense(3, 6),
+], ids=["einsum-matmul", "einsum", "layer-norm", "dense"])
+def test_per_model_weights_broadcast_over_the_batch_axis_alone(layer):
+    # TensorFlow's CPU kernels reduce a `[1, B, 1, n]` operand's gradient
+    # over the batch and inner axes at once, several times slower than over
+    # the batch axis, then over one sample: each reduction of the
+    # activations' gradient must be over axis 0 alone.
+    shape = (BATCH, 3, 4, 5)
+    layer.build(shape)
+
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            y = layer(x)
+        return tape.gradient(y, layer.trainable_weights)
+
+    # A graph whose inner tensors can be fetched: the reduction axes of the
+    # gradients' sums are computed at run time.
+    wrapped = tf.compat.v1.wrap_function(gradients, [tf.TensorSpec(shape)])
+    sums = [op for op in wrapped.graph.get_operations() if op.type == "Sum"
+            and op.inputs[0].shape.rank == 4
+            and op.inputs[0].shape[0] == BATCH]
+    assert sums
+    axes = wrapped.prune(wrapped.inputs, [op.inputs[1] for op in sums])(
+        tf.ones(shape))
+    reduced = [list(np.reshape(value, -1)) for value in axes]
+    assert [0] in reduced
+    for op, value in zip(sums, reduced):
+        # `[]`: a batched matmul's gradient with nothing to reduce.
+        assert value in ([], [0]), op.name
