@@ -24,6 +24,7 @@ from hftatf.layers import (
     FusedDepthwiseConv2D,
     FusedEinsumDense,
     FusedLayerNormalization,
+    FusedMultiHeadAttention,
     FusedSeparableConv2D,
     base,
     convolutional,
@@ -276,3 +277,26 @@ def test_per_model_weights_broadcast_over_the_batch_axis_alone(layer):
     for op, value in zip(sums, reduced):
         # `[]`: a batched matmul's gradient with nothing to reduce.
         assert value in ([], [0]), op.name
+
+
+@pytest.mark.parametrize("num_models", [1, 3])
+def test_multi_head_attention_runs_no_general_einsum(num_models):
+    # The stock layer's equations, with the model axis folded into the
+    # batch axis, are those Keras's TensorFlow backend turns into
+    # transposes and batched matmuls; with a model axis they would take
+    # TensorFlow's general (slower) Einsum kernel. The projections are
+    # dense products. Dropout keeps the explicit-scores path.
+    layer = FusedMultiHeadAttention(num_models, num_heads=2, key_dim=4,
+                                    dropout=0.1)
+    shape = (BATCH, num_models, 5, 6)
+    layer.build(shape, shape)
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            y = layer(x, x, training=True)
+        return tape.gradient(y, layer.trainable_weights)
+
+    graph = gradients.get_concrete_function(tf.TensorSpec(shape)).graph
+    op_types = {op.type for op in graph.get_operations()}
+    assert "BatchMatMulV2" in op_types and "Einsum" not in op_types
