@@ -107,9 +107,6 @@ def as_one_sample(values, like):
     vary along the batch axis (a layer normalising over it) are returned as
     they are.
     """
-    if compiling_with_xla():
-        # XLA fuses the broadcast and compiles its own reductions.
-        return values
     if len(values.shape) == len(like.shape):
         if values.shape[0] != 1:
             return values

@@ -83,15 +83,9 @@ def _stock_rows(inputs):
 
 def _per_sample(statistic, rows):
     """`[B, C]` -> `[B, S, C]`, repeated over the `S` positions of `rows`
-    (`[batch, B, S, C]`).
-
-    Combined with `rows`, the result broadcasts over the batch axis only,
-    which TensorFlow runs as one row broadcast; a `[1, B, 1, C]` operand
-    takes its general (several times slower) broadcasting path on CPU.
-    """
-    statistic = ops.cast(statistic, rows.dtype)
-    return ops.broadcast_to(ops.expand_dims(statistic, 1),
-                            ops.shape(rows)[1:])
+    (`[batch, B, S, C]`): one sample (`as_one_sample`), in `rows`' dtype."""
+    return as_one_sample(
+        ops.expand_dims(ops.cast(statistic, rows.dtype), 1), rows)
 
 
 def _channels_last_moments(inputs, num_models):
