@@ -9,7 +9,11 @@ the stock equations on `[batch * B, ...]` tensors, the model axis folded
 into the batch axis. Folded, the equations are the stock layer's exactly,
 so the backend runs the kernels it runs for stock attention (TensorFlow's
 Keras backend turns them into transposes and batched matmuls, which are
-faster on CPU than a general einsum with an extra axis).
+faster on CPU than a general einsum with an extra axis). Where the
+projections compute with the models first (`per_model_matmul`), attention
+folds the models first too (`fold_models_first`), so the projected tensors
+go into attention, and its output into the output projection, without
+being moved back and forth.
 
 Their `attention_mask`: a mask of the stock rank (e.g. `[batch, T, S]`) is
 shared by all models; a mask with one more axis carries the model axis at 1
@@ -37,7 +41,12 @@ from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.dense import FusedEinsumDense
-from hftatf.layers.fold import fold_model_axis, unfold_model_axis
+from hftatf.layers.fold import (
+    fold_model_axis,
+    fold_models_first,
+    unfold_model_axis,
+    unfold_models_first,
+)
 from hftatf.validation import check_model_axis
 
 __all__ = [
@@ -207,7 +216,31 @@ class FusedAttentionBase(FusedLayer):
                               (1, 1, 1, v_length))
         return ops.less(ops.abs(rows - columns), self._sliding_window)
 
-    def _masked_softmax(self, scores, attention_mask=None, num_axes=1):
+    def _fold(self, x, models_first):
+        """Folds `[batch, B, ...]` as attention runs: models first
+        (`fold_models_first`) or batch first (`fold_model_axis`)."""
+        return fold_models_first(x) if models_first else fold_model_axis(x)
+
+    def _fold_key_or_value(self, x, models_first):
+        """A projected key or value, folded as attention runs."""
+        return self._fold(x, models_first)
+
+    def _unfold(self, x, models_first):
+        if models_first:
+            return unfold_models_first(x, self.num_models)
+        return unfold_model_axis(x, self.num_models)
+
+    def _fold_mask(self, mask, batch, models_first):
+        """A fused mask `[batch or 1, B or 1, ...]` broadcast over the
+        batch and the models, then folded as attention runs."""
+        lead = (batch, self.num_models)
+        if models_first:
+            mask, lead = ops.swapaxes(mask, 0, 1), lead[::-1]
+        return fold_model_axis(ops.broadcast_to(
+            mask, (*lead, *ops.shape(mask)[2:])))
+
+    def _masked_softmax(self, scores, attention_mask=None, num_axes=1,
+                        models_first=False):
         """The stock masked softmax of folded scores `[batch * B, ...]`
         under a fused mask `[batch or 1, B or 1, ...]`."""
         if attention_mask is not None:
@@ -216,10 +249,9 @@ class FusedAttentionBase(FusedLayer):
             for _ in range(len(scores.shape) + 1 - len(attention_mask.shape)):
                 attention_mask = ops.expand_dims(attention_mask,
                                                  axis=-2 * num_axes - 1)
-            attention_mask = fold_model_axis(ops.broadcast_to(
-                attention_mask,
-                (ops.shape(scores)[0] // self.num_models, self.num_models,
-                 *ops.shape(attention_mask)[2:])))
+            attention_mask = self._fold_mask(
+                attention_mask, ops.shape(scores)[0] // self.num_models,
+                models_first)
         return self._softmax(scores, mask=attention_mask)
 
     # Attention.
@@ -229,11 +261,13 @@ class FusedAttentionBase(FusedLayer):
 
     def _compute_attention(self, query, key, value, attention_mask=None,
                            training=None, return_attention_scores=False,
-                           use_causal_mask=False, num_axes=1):
+                           use_causal_mask=False, num_axes=1,
+                           models_first=False):
         """Attention of projected `[batch, B, T, heads, dim]` tensors (more
         axes with several attention axes), as the stock layer computes it
         for each model, including its choice between the backend's fused
-        `dot_product_attention` and explicit scores."""
+        `dot_product_attention` and explicit scores. `models_first`: fold
+        the models first (where the projections computed that way)."""
         if self._flash_attention and return_attention_scores:
             raise ValueError(
                 "Returning attention scores is not supported when flash "
@@ -242,47 +276,50 @@ class FusedAttentionBase(FusedLayer):
         if not (self._dropout > 0.0 or return_attention_scores
                 or len(query.shape) != 5):
             return self._folded_dot_product_attention(
-                query, key, value, attention_mask, use_causal_mask), None
+                query, key, value, attention_mask, use_causal_mask,
+                models_first), None
         if use_causal_mask:
             causal_mask = self._compute_causal_mask(query, value)
             attention_mask = (
                 causal_mask if attention_mask is None else ops.logical_and(
                     ops.cast(attention_mask, "bool"), causal_mask))
+        # Scaled once folded: the fold's move then directly follows the
+        # query projection's, and both cancel.
+        query = self._fold(query, models_first)
         query = ops.multiply(query, ops.cast(self._scale, query.dtype))
-        scores = self._attention_logits(fold_model_axis(query),
-                                        fold_model_axis(key))
-        scores = self._masked_softmax(scores, attention_mask, num_axes)
+        scores = self._attention_logits(
+            query, self._fold_key_or_value(key, models_first))
+        scores = self._masked_softmax(scores, attention_mask, num_axes,
+                                      models_first)
         if self._dropout > 0.0:
             final_scores = self._dropout_layer(scores, training=training)
         else:
             final_scores = scores
         output = ops.einsum(self._combine_equation, final_scores,
-                            fold_model_axis(value))
-        return (unfold_model_axis(output, self.num_models),
-                unfold_model_axis(scores, self.num_models))
+                            self._fold_key_or_value(value, models_first))
+        return (self._unfold(output, models_first),
+                self._unfold(scores, models_first))
 
     def _folded_dot_product_attention(self, query, key, value, mask,
-                                      is_causal):
+                                      is_causal, models_first=False):
         """`ops.dot_product_attention` (4-D only) with the model axis folded
         into the batch axis, masks broadcast over both first."""
         if mask is not None:
             for _ in range(5 - len(mask.shape)):
                 mask = ops.expand_dims(mask, axis=-3)
-            mask = ops.broadcast_to(
-                ops.cast(mask, "bool"),
-                (ops.shape(query)[0], self.num_models, *ops.shape(mask)[2:]))
-            mask = fold_model_axis(mask)
+            mask = self._fold_mask(ops.cast(mask, "bool"),
+                                   ops.shape(query)[0], models_first)
         output = ops.dot_product_attention(
-            query=fold_model_axis(query),
-            key=fold_model_axis(key),
-            value=fold_model_axis(value),
+            query=self._fold(query, models_first),
+            key=self._fold_key_or_value(key, models_first),
+            value=self._fold_key_or_value(value, models_first),
             bias=None,
             mask=mask,
             scale=self._scale,
             is_causal=is_causal,
             flash_attention=self._flash_attention,
         )
-        return unfold_model_axis(output, self.num_models)
+        return self._unfold(output, models_first)
 
     def _causal_only(self, use_causal_mask, *masks):
         """Whether only a causal mask applies, which the stock layers hand
@@ -522,6 +559,7 @@ class FusedMultiHeadAttention(FusedAttentionBase):
                 query, value, query_mask=query_mask, value_mask=value_mask,
                 key_mask=key_mask, attention_mask=attention_mask,
                 use_causal_mask=use_causal_mask)
+        models_first = self._query_dense.products_models_first(query.shape)
         if self._use_gate:
             gate = self._gate_dense(query)
         query = self._query_dense(query)
@@ -530,7 +568,7 @@ class FusedMultiHeadAttention(FusedAttentionBase):
         attention_output, attention_scores = self._compute_attention(
             query, key, value, attention_mask, training,
             return_attention_scores, use_causal_mask=causal_only,
-            num_axes=num_axes)
+            num_axes=num_axes, models_first=models_first)
         if self._use_gate:
             attention_output = ops.multiply(attention_output, gate)
         attention_output = self._output_dense(attention_output)
@@ -693,6 +731,12 @@ class FusedGroupQueryAttention(FusedAttentionBase):
     def _attention_logits(self, query, key):
         return ops.einsum(self._dot_product_equation, query, key)
 
+    def _fold_key_or_value(self, x, models_first):
+        # Key and value heads repeat along the heads axis (2 once folded),
+        # as in the stock layer.
+        return ops.repeat(super()._fold_key_or_value(x, models_first),
+                          self.num_repeats, axis=2)
+
     def call(self, query, value, key=None, query_mask=None, value_mask=None,
              key_mask=None, attention_mask=None,
              return_attention_scores=False, training=None,
@@ -707,16 +751,14 @@ class FusedGroupQueryAttention(FusedAttentionBase):
                 query, value, query_mask=query_mask, value_mask=value_mask,
                 key_mask=key_mask, attention_mask=attention_mask,
                 use_causal_mask=use_causal_mask)
+        models_first = self._query_dense.products_models_first(query.shape)
         if self._use_gate:
             gate = self._gate_dense(query)
-        query = self._query_dense(query)
-        # Key and value heads repeat along the heads axis, as in the stock
-        # layer.
-        key = ops.repeat(self._key_dense(key), self.num_repeats, axis=3)
-        value = ops.repeat(self._value_dense(value), self.num_repeats, axis=3)
         output, scores = self._compute_attention(
-            query, key, value, attention_mask, training,
-            return_attention_scores, use_causal_mask=causal_only)
+            self._query_dense(query), self._key_dense(key),
+            self._value_dense(value), attention_mask, training,
+            return_attention_scores, use_causal_mask=causal_only,
+            models_first=models_first)
         if self._use_gate:
             output = ops.multiply(output, gate)
         output = self._output_dense(output)

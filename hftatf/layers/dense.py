@@ -18,11 +18,39 @@ from hftatf.layers.base import (
 from hftatf.validation import check_model_axis
 
 
-def per_model_matmul(inputs, kernel, bias=None):
-    """`x[:, b] @ kernel[b] + bias[b]` for every model `b`:
-    `[batch, B, ..., in]`, `[B, in, out]` and `[B, out]` (or None) ->
-    `[batch, B, ..., out]`, each row exactly the stock product of that row
-    and the model's kernel, plus its bias.
+def products_models_first(input_shape, num_models, size_in, size_out,
+                          contracted=1):
+    """Whether `per_model_matmul` computes inputs of `input_shape` (`[batch,
+    B, *positions, *contracted axes]`) and a `[B, in, out]` kernel with the
+    models moved first, between two transposes (see there)."""
+    if num_models == 1:
+        return False
+    xla = compiling_with_xla()
+    positions = input_shape[2:len(input_shape) - contracted]
+    if not positions:
+        return not xla
+    if xla or None in positions:
+        return True
+    rows = math.prod(positions)
+    return size_in * size_out > rows * (size_in + size_out)
+
+
+def per_model_matmul(inputs, kernel, bias=None, activation=None,
+                     contracted=1, output_dims=None):
+    """`activation(x[:, b] @ kernel[b] + bias[b])` for every model `b`.
+
+    Args:
+        inputs: `[batch, B, *positions, *contracted axes]`.
+        kernel: `[B, in, out]`, `in` the size of the contracted axes.
+        bias: None, or `[B, *t]` with `t` broadcasting from the right
+            against one model's output `[*positions, *output_dims]`.
+        activation: None or an elementwise function.
+        contracted: how many trailing input axes the product contracts.
+        output_dims: the trailing output axes `out` is reshaped to
+            (default `(out,)`).
+
+    Returns `[batch, B, *positions, *output_dims]`, each row exactly the
+    stock product of that row and the model's kernel, plus its bias.
 
     The formulation is chosen for the kernels that will run it:
 
@@ -44,40 +72,108 @@ def per_model_matmul(inputs, kernel, bias=None):
       gradients), the transposes took 179 ms of processor time against
       248 ms for each model's product on its own `unstack`ed slice and 224
       ms broadcast.
+
+    Between two transposes, everything elementwise (bias, activation) runs
+    with the models first, and each transpose is the first or last op on
+    the tensor it moves. So where one product's output goes straight into
+    the next (a Dense with its activation into a Dense, a projection into
+    `fold_models_first`), TensorFlow's graph optimizer (and XLA) cancel the
+    transpose back against the next transpose forth, in the gradients too:
+    consecutive products keep the models-first layout without a copy.
     """
     num_models, size_in, size_out = kernel.shape
+    output_dims = tuple(output_dims or (size_out,))
+    rank = len(inputs.shape)
+    kept = rank - 2 - contracted
+    shape = ops.shape(inputs)
     if num_models == 1:
         # TensorFlow's oneDNN batched matmul also crashes on CPU when every
         # batch axis of the kernel broadcasts, as `[1, 1, in, out]` would.
         # Reshapes, not `kernel[0]`: a slice's gradient is a zero-filled
         # copy, a reshape's a reshape.
-        outputs = ops.matmul(ops.squeeze(inputs, 1),
-                             ops.reshape(kernel, (size_in, size_out)))
+        outputs = ops.matmul(
+            ops.reshape(inputs, (shape[0], *shape[2:2 + kept], size_in)),
+            ops.reshape(kernel, (size_in, size_out)))
+        outputs = ops.reshape(outputs, (shape[0], *shape[2:2 + kept],
+                                        *output_dims))
         if bias is not None:
-            outputs = ops.add(outputs, ops.reshape(bias, (size_out,)))
+            # As the stock layers add theirs.
+            outputs = ops.add(outputs, ops.reshape(bias, bias.shape[1:]))
+        if activation is not None:
+            outputs = activation(outputs)
         return ops.expand_dims(outputs, 1)
-    xla = compiling_with_xla()
-    if len(inputs.shape) == 3:
-        if xla:
-            outputs = ops.einsum("bmi,mio->bmo", inputs, kernel)
-        else:
-            outputs = ops.transpose(ops.matmul(
-                ops.transpose(inputs, (1, 0, 2)), kernel), (1, 0, 2))
-        return outputs if bias is None else add_per_model(outputs, bias)
-    shape = ops.shape(inputs)
-    rows = ops.reshape(inputs, (shape[0], num_models, -1, size_in))
-    positions = rows.shape[2]
-    if not xla and positions is not None and (
-            size_in * size_out <= positions * (size_in + size_out)):
-        outputs = ops.matmul(rows, ops.expand_dims(kernel, 0))
-    else:
-        outputs = ops.transpose(ops.reshape(ops.matmul(
-            ops.reshape(ops.transpose(rows, (1, 0, 2, 3)),
-                        (num_models, -1, size_in)), kernel),
-            (num_models, shape[0], -1, size_out)), (1, 0, 2, 3))
     if bias is not None:
-        outputs = add_per_model(outputs, bias)
-    return ops.reshape(outputs, (*shape[:-1], size_out))
+        # [B, *t] -> [B, 1, ..., 1, *t]: one model's full output rank.
+        bias = ops.reshape(bias, (
+            num_models, *(1,) * (kept + len(output_dims) + 1 - len(bias.shape)),
+            *bias.shape[1:]))
+
+    def finish(outputs, bias):
+        if bias is not None:
+            # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the
+            # axis from the shapes alone.
+            outputs = outputs + bias
+        return outputs if activation is None else activation(outputs)
+
+    if not products_models_first(inputs.shape, num_models, size_in, size_out,
+                                 contracted):
+        if kept:
+            outputs = ops.matmul(
+                ops.reshape(inputs, (shape[0], num_models, -1, size_in)),
+                ops.expand_dims(kernel, 0))
+        else:  # [batch, B, in] under XLA
+            outputs = ops.einsum(
+                "bmi,mio->bmo",
+                ops.reshape(inputs, (shape[0], num_models, size_in)), kernel)
+        outputs = ops.reshape(outputs, (*shape[:2 + kept], *output_dims))
+        return finish(outputs, None if bias is None
+                      else as_one_sample(bias, outputs))
+    swap = (1, 0, *range(2, rank))
+    moved = ops.transpose(inputs, swap)
+    # Shapes of the moved tensor, not of `inputs`: where the transpose
+    # cancels, so does everything that read it.
+    moved_shape = ops.shape(moved)
+    outputs = ops.matmul(ops.reshape(moved, (num_models, -1, size_in)),
+                         kernel)
+    outputs = ops.reshape(outputs, (num_models, *moved_shape[1:2 + kept],
+                                    *output_dims))
+    if bias is not None:
+        bias = ops.expand_dims(bias, 1)
+        if not compiling_with_xla() and _bias_rows(outputs, bias):
+            outputs, bias = _add_bias_by_rows(outputs, bias), None
+    outputs = finish(outputs, bias)
+    return ops.transpose(outputs, (1, 0, *range(2, len(outputs.shape))))
+
+
+def _bias_rows(outputs, bias):
+    """How many leading axes of `outputs` (`[B, ...]`) after the model
+    axis `bias` (`[B, 1, ..., 1, *t]`) broadcasts over, where its other axes
+    are exactly those of `outputs`; else 0."""
+    rows = 1
+    while rows < len(bias.shape) and bias.shape[rows] == 1:
+        rows += 1
+    if tuple(bias.shape[rows:]) != tuple(outputs.shape[rows:]):
+        return 0
+    return rows - 1
+
+
+@ops.custom_gradient
+def _add_bias_by_rows(outputs, bias):
+    """`outputs + bias` with the models first (`[B, *rows, *t]` and `[B, 1,
+    ..., 1, *t]`), the bias's gradient summed over the rows as one batched
+    matmul by a row of ones. TensorFlow's CPU `Sum` over the middle axes of
+    `[B, rows, t]` is slow: for the feed-forward bias of a BERT-mini array of
+    8 (`[8, 64 * 64, 1024]`), 31 ms of processor time against 11 ms
+    reducing axis 0 of the batch-first layout."""
+
+    def gradient(upstream):
+        num_models = bias.shape[0]
+        rows = ops.reshape(upstream, (num_models, -1, math.prod(
+            bias.shape[1:])))
+        ones = ops.ones((num_models, 1, ops.shape(rows)[1]), upstream.dtype)
+        return upstream, ops.reshape(ops.matmul(ones, rows), bias.shape)
+
+    return outputs + bias, gradient
 
 
 def shared_matmul(inputs, kernel, bias=None):
@@ -110,22 +206,6 @@ def shared_matmul(inputs, kernel, bias=None):
         outputs = ops.add(outputs, ops.reshape(bias, (-1,)))
     outputs = ops.reshape(outputs, (*shape[:-1], num_models, size_out))
     return ops.moveaxis(outputs, -2, 1) if len(inputs.shape) > 2 else outputs
-
-
-def add_per_model(outputs, values):
-    """`outputs` (`[batch, B, ..., n]`) plus each model's `values[b]`
-    (`[B, n]`), as a stock layer adds its bias to every position.
-
-    The values are laid out as one sample (`[B, ..., n]`, `as_one_sample`)
-    first.
-    """
-    inner = (1,) * (len(outputs.shape) - 3)
-    values = ops.reshape(values, (values.shape[0], *inner, values.shape[-1]))
-    if inner:
-        values = as_one_sample(values, outputs)
-    # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the axis
-    # from the shapes alone.
-    return outputs + values
 
 
 def _models_first(equation):
@@ -254,10 +334,10 @@ class FusedDense(FusedLayer):
             )
 
     def call(self, inputs, training=None):
-        if self.shared_input:
-            outputs = shared_matmul(inputs, self.kernel, self.bias)
-        else:
-            outputs = per_model_matmul(inputs, self.kernel, self.bias)
+        if not self.shared_input:
+            return per_model_matmul(inputs, self.kernel, self.bias,
+                                    activation=self.activation)
+        outputs = shared_matmul(inputs, self.kernel, self.bias)
         if self.activation is not None:
             outputs = self.activation(outputs)
         return outputs
@@ -442,6 +522,29 @@ class _EinsumPlan:
                 "Give it in `output_shape` or in the input shape.")
 
 
+def _stock_bias_layout(output_shape, bias_shape):
+    """The per-model layout in which the stock `EinsumDense` adds its bias
+    of `bias_shape` to outputs of `output_shape` (batch axis first), where
+    that is not plain broadcasting; else None.
+
+    The stock layer adds with `keras.ops.add`, whose TensorFlow version
+    takes a bias that squeezes to one axis of size `n` for
+    `tf.nn.bias_add`: on the last output axis if its size is `n`, else on
+    the first axis after the batch axis if that one's is. So a bias on
+    another axis of the same size (`abc,cde->abde` with `bias_axes="d"`
+    and `d == e`) is added on the last axis. An array must compute what
+    the stock layer computes, and what each model computes after export.
+    """
+    squeezed = [size for size in bias_shape if size is None or size > 1]
+    if (len(squeezed) != 1 or squeezed[0] is None
+            or squeezed[0] not in (output_shape[1], output_shape[-1])):
+        return None
+    inner = (1,) * (len(output_shape) - 2)
+    if output_shape[-1] == squeezed[0]:
+        return (*inner, squeezed[0])
+    return (squeezed[0], *inner)
+
+
 def _matmul_form(inputs, kernel_spec, outputs, kernel_shape):
     """How an `EinsumDense` equation is a plain matmul, or None.
 
@@ -597,24 +700,36 @@ class FusedEinsumDense(FusedLayer):
             )
             # [B, *bias] -> [B, 1, ..., 1, *bias]: the stock bias broadcasts
             # from the right over the per-model output, which here starts at
-            # the model axis.
-            self._bias_shape = (self.num_models, *(1,) * (plan.bias_start - 1),
-                                *plan.bias_shape)
+            # the model axis; or laid out on the axis where the stock layer
+            # actually adds it.
+            layout = _stock_bias_layout(plan.output_shape, plan.bias_shape)
+            self._bias_shape = (self.num_models, *(layout or (
+                *(1,) * (plan.bias_start - 1), *plan.bias_shape)))
+
+    def products_models_first(self, input_shape):
+        """Whether `call` on inputs of `input_shape` computes with the
+        models first and ends with `per_model_matmul`'s transpose back,
+        which a following `fold_models_first` cancels."""
+        if self._matmul is None:
+            return False
+        contracted, size_in, size_out, _ = self._matmul
+        return products_models_first(input_shape, self.num_models, size_in,
+                                     size_out, contracted)
 
     def call(self, inputs, training=None):
+        bias = None if self.bias is None else ops.reshape(self.bias,
+                                                          self._bias_shape)
         if self._matmul is not None:
             # A plain matmul of flattened axes: the formulation each backend
             # runs fastest (`per_model_matmul`), where an einsum with a
             # model axis is a general (slower) einsum kernel.
             contracted, size_in, size_out, output_dims = self._matmul
-            shape = ops.shape(inputs)
-            kept = shape[:len(inputs.shape) - contracted]
-            outputs = ops.reshape(per_model_matmul(
-                ops.reshape(inputs, (*kept, size_in)),
-                ops.reshape(self.kernel,
-                            (self.num_models, size_in, size_out))),
-                (*kept, *output_dims))
-        elif self.num_models > 1 and compiling_with_xla():
+            return per_model_matmul(
+                inputs,
+                ops.reshape(self.kernel, (self.num_models, size_in, size_out)),
+                bias, activation=self.activation, contracted=contracted,
+                output_dims=output_dims)
+        if self.num_models > 1 and compiling_with_xla():
             # Models first: XLA:CPU lowers the einsum (and its gradients)
             # about 2x faster when the model axis leads both operands, as
             # for `per_model_matmul`.
@@ -623,11 +738,10 @@ class FusedEinsumDense(FusedLayer):
                 ops.swapaxes(inputs, 0, 1), self.kernel), 0, 1)
         else:
             outputs = ops.einsum(self._fused_equation, inputs, self.kernel)
-        if self.bias is not None:
+        if bias is not None:
             # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the
             # axis from the shapes alone.
-            outputs = outputs + as_one_sample(
-                ops.reshape(self.bias, self._bias_shape), outputs)
+            outputs = outputs + as_one_sample(bias, outputs)
         if self.activation is not None:
             outputs = self.activation(outputs)
         return outputs

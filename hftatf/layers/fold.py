@@ -62,6 +62,22 @@ def unfold_model_axis(x, num_models):
     return ops.reshape(x, (-1, num_models, *ops.shape(x)[1:]))
 
 
+def fold_models_first(x):
+    """`[batch, B, *s]` -> `[B * batch, *s]`: the model axis moved first,
+    then folded. Applied to the output of a product computed with the
+    models first (`per_model_matmul`), the move cancels that product's
+    transpose back: no copy."""
+    return fold_model_axis(ops.swapaxes(x, 0, 1))
+
+
+def unfold_models_first(x, num_models):
+    """`[B * batch, *s]` -> `[batch, B, *s]`, the inverse of
+    `fold_models_first`; the move cancels against the transpose forth of
+    a following models-first product."""
+    return ops.swapaxes(
+        ops.reshape(x, (num_models, -1, *ops.shape(x)[1:])), 0, 1)
+
+
 def _stochastic_depth():
     from keras.src.applications import convnext
 

@@ -23,6 +23,7 @@ from hftatf.layers import (
     FusedEmbedding,
     FusedGroupQueryAttention,
     FusedMultiHeadAttention,
+    dense,
     registry,
 )
 
@@ -71,6 +72,19 @@ def stock_and_fused(num_models, rng, query_shape, value_shape,
                 shape(key_shape, BATCH, num_models))
     fused.set_weights(stacked_weights(stock))
     return stock, fused
+
+
+@pytest.fixture(params=["size-rule", "models-first"])
+def product_rule(request, monkeypatch):
+    """The projections' formulation: chosen by their sizes (for these small
+    layers, a broadcasting matmul, so attention folds the batch first), or
+    forced to the models-first products that larger layers take (attention
+    then folds the models first)."""
+    if request.param == "models-first":
+        monkeypatch.setattr(
+            dense, "products_models_first",
+            lambda input_shape, num_models, *args: num_models > 1)
+    return request.param
 
 
 def random(rng, *shape):
@@ -159,7 +173,7 @@ def case_inputs(rng, num_models, names, shapes, attention_axes=1):
 
 
 @pytest.mark.parametrize("case", list(MHA_CASES))
-def test_matches_stock_multi_head_attention(case):
+def test_matches_stock_multi_head_attention(case, product_rule):
     names, shapes, kwargs, call_kwargs = MHA_CASES[case]
     rng = np.random.default_rng(0)
     kwargs = {"num_heads": 2, "key_dim": 3, **kwargs}
@@ -178,7 +192,7 @@ def test_matches_stock_multi_head_attention(case):
 
 
 @pytest.mark.parametrize("num_models", [1, 3])
-def test_matches_stock_with_one_and_three_models(num_models):
+def test_matches_stock_with_one_and_three_models(num_models, product_rule):
     rng = np.random.default_rng(1)
     stock, fused = stock_and_fused(num_models, rng, (4, 5), (6, 7),
                                    num_heads=2, key_dim=3)
@@ -188,7 +202,7 @@ def test_matches_stock_with_one_and_three_models(num_models):
                              return_attention_scores=True)
 
 
-def test_shared_attention_mask_of_the_stock_shape():
+def test_shared_attention_mask_of_the_stock_shape(product_rule):
     # A [batch, T, S] mask is the stock shape: every model gets all of it.
     rng = np.random.default_rng(2)
     stock, fused = stock_and_fused(2, rng, (4, 5), (6, 7), num_heads=2,
@@ -568,7 +582,7 @@ GQA_CASES = {
 
 
 @pytest.mark.parametrize("case", list(GQA_CASES))
-def test_matches_stock_group_query_attention(case):
+def test_matches_stock_group_query_attention(case, product_rule):
     names, shapes, kwargs, call_kwargs = GQA_CASES[case]
     rng = np.random.default_rng(13)
     kwargs = {"head_dim": 3, "num_query_heads": 4, "num_key_value_heads": 2,

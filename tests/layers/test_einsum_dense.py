@@ -91,6 +91,34 @@ def test_matches_stock_under_xla():
         assert_close(y[:, b], stock[b](x[:, b]))
 
 
+# A bias on one axis whose size is also the last (or first) output axis's:
+# the stock layer's `ops.add` adds it there, with TensorFlow's bias_add.
+# (equation, output_shape, bias_axes, per-model input shape)
+BIAS_ADD_CASES = [
+    ("abc,cde->abde", (None, 4, 4), "d", (3, 5)),  # on the last axis
+    ("abc,cde->abde", (None, 2, 5), "d", (2, 5)),  # on the first axis
+    ("abc,cd->abd", (3, 3), "d", (3, 5)),  # on the last axis, as named
+]
+
+
+@pytest.mark.parametrize("equation, output_shape, bias_axes, inner_shape",
+                         BIAS_ADD_CASES, ids=[str(c[1]) for c in
+                                              BIAS_ADD_CASES])
+@pytest.mark.parametrize("num_models", [1, 3])
+@pytest.mark.parametrize("xla", [False, True], ids=["eager", "xla"])
+def test_bias_goes_where_the_stock_layer_adds_it(
+        equation, output_shape, bias_axes, inner_shape, num_models, xla):
+    rng = np.random.default_rng(4)
+    stock, fused = stock_and_fused(num_models, equation, output_shape,
+                                   inner_shape, rng, bias_axes=bias_axes)
+    x = rng.standard_normal(
+        (BATCH, num_models, *inner_shape)).astype("float32")
+    call = tf.function(fused, jit_compile=True) if xla else fused
+    y = call(x).numpy()
+    for b in range(num_models):
+        assert_close(y[:, b], stock[b](x[:, b]))
+
+
 def test_symbolic_output_shape():
     layer = FusedEinsumDense(2, "...b,bc->...c", 4, bias_axes="c")
     y = layer(keras.Input((2, 7, 5)))

@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.eager import context
 from testing import compare_layer_with_stock, randomize_weights, stacked_weights
 
 from hftatf.layers import (
@@ -23,6 +24,7 @@ from hftatf.layers import (
     FusedDense,
     FusedDepthwiseConv2D,
     FusedEinsumDense,
+    FusedGroupQueryAttention,
     FusedLayerNormalization,
     FusedMultiHeadAttention,
     FusedSeparableConv2D,
@@ -104,6 +106,11 @@ EINSUM_CASES = {
     "combine": ("abde,dec->abc", (5, 6), "c", (5, 2, 4)),
     "vector": ("ab,bc->ac", 4, "c", (6,)),
     "ellipsis": ("...b,bc->...c", 4, None, (3, 6)),
+    # Kernels large for their positions: products with the models first,
+    # the bias summed by rows, or (bias on one of two axes) as it is.
+    "projection-models-first": ("abc,cde->abde", (2, 4, 4), "de", (2, 6)),
+    "partial-bias-models-first": ("abc,cde->abde", (2, 4, 4), "d", (2, 6)),
+    "combine-models-first": ("abde,dec->abc", (2, 16), "c", (2, 4, 4)),
     # Not a matmul of trailing axes: an einsum with a model axis.
     "transposed": ("abc,bd->adc", (4, 6), "d", (5, 6)),
 }
@@ -300,3 +307,97 @@ def test_multi_head_attention_runs_no_general_einsum(num_models):
     graph = gradients.get_concrete_function(tf.TensorSpec(shape)).graph
     op_types = {op.type for op in graph.get_operations()}
     assert "BatchMatMulV2" in op_types and "Einsum" not in op_types
+
+
+def optimized_transposes(function, *args):
+    """The transposes TensorFlow's graph optimizer leaves in the graphs of
+    `function` (a `tf.function`, first called here with `args`)."""
+    context.export_run_metadata()  # Drops what earlier calls left.
+    context.enable_graph_collection()
+    try:
+        function(*args)
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_graph_collection()
+    return sum("Transpose" in node.op for graph in metadata.function_graphs
+               for node in graph.post_optimization_graph.node)
+
+
+def forward_and_backward(call):
+    """A `tf.function` of `x` and a cotangent: `call(x)` and the gradient
+    of `x`."""
+    @tf.function
+    def step(x, cotangent):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = call(x)
+        return y, tape.gradient(y, x, output_gradients=cotangent)
+    return step
+
+
+def test_consecutive_products_keep_the_models_first_layout():
+    # Two Dense layers too large for their positions compute with the
+    # models first; the first one's transpose back and the second one's
+    # transpose forth cancel, as do their gradients: the pair moves its
+    # input and output once, as one layer does.
+    rng = np.random.default_rng(0)
+    shape = (BATCH, 3, 2, 8)
+    first = FusedDense(3, 16, activation="gelu")
+    second = FusedDense(3, 8)
+    x = rng.standard_normal(shape).astype("float32")
+    assert dense.products_models_first(shape, 3, 8, 16)
+    one = optimized_transposes(forward_and_backward(first), x,
+                               first(x).numpy())
+    two = optimized_transposes(
+        forward_and_backward(lambda x: second(first(x))), x, x)
+    assert one > 0 and two == one
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["fused", "scores"])
+@pytest.mark.parametrize("kind", ["multi-head", "grouped-query"])
+def test_attention_folds_the_models_first(kind, dropout):
+    # Projections with the models first hand their outputs to attention
+    # folded models first, and attention's output to the output projection,
+    # without moving them: beyond the stock layer's own transposes, the
+    # fused layer moves its input and output once, as one Dense does, and
+    # the input's gradient once per projection (query, key and value).
+    rng = np.random.default_rng(0)
+    if kind == "multi-head":
+        stock = keras.layers.MultiHeadAttention(2, 8, dropout=dropout)
+        fused = FusedMultiHeadAttention(3, 2, 8, dropout=dropout)
+    else:
+        stock = keras.layers.GroupQueryAttention(8, 4, 2, dropout=dropout)
+        fused = FusedGroupQueryAttention(3, 8, 4, 2, dropout=dropout)
+    shape = (BATCH, 3, 4, 16)
+    x = rng.standard_normal(shape).astype("float32")
+    fused_count = optimized_transposes(
+        forward_and_backward(lambda x: fused(x, x, training=True)), x, x)
+    stock_count = optimized_transposes(
+        forward_and_backward(lambda x: stock(x, x, training=True)),
+        x[:, 0], x[:, 0])
+    projection = FusedDense(3, 16)
+    assert dense.products_models_first(shape, 3, 16, 16)
+    one_dense = optimized_transposes(forward_and_backward(projection), x, x)
+    assert fused_count == stock_count + one_dense + 2
+
+
+def test_models_first_bias_gradient_is_a_batched_matmul():
+    # TensorFlow's CPU Sum over the middle axes of `[B, rows, n]` is slow:
+    # with the models first, the bias gradient is a batched matmul by ones,
+    # and no Sum reduces the activations' gradient.
+    layer = FusedDense(3, 16)
+    shape = (BATCH, 3, 2, 8)
+    layer.build(shape)
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            y = layer(x)
+        return tape.gradient(y, layer.bias)
+
+    graph = gradients.get_concrete_function(tf.TensorSpec(shape)).graph
+    sums = [op for op in graph.get_operations() if op.type == "Sum"
+            and op.inputs[0].shape.rank > 2]
+    assert not sums
+    assert any(op.type == "BatchMatMulV2" and op.inputs[0].shape[1] == 1
+               for op in graph.get_operations())
