@@ -384,9 +384,10 @@ class FusedModel(keras.Model):
                 then one optimizer step, and every model trains exactly as
                 in one pass (see `hftatf.passes`). None: all models in one
                 pass. `"auto"`: one pass, except on a CPU in a step compiled
-                with XLA, where a pass holds as many models as fit their
-                activations in the last-level cache (at least one): there
-                arrays of large models train faster one model at a time
+                with XLA or for an array without convolutions, where a pass
+                holds as many models as fit their activations in the
+                last-level cache (at least one): there arrays of large
+                models train faster one model at a time
                 (benchmarks/README.md). Evaluation and prediction always
                 run in one pass.
         """
@@ -487,8 +488,11 @@ class FusedModel(keras.Model):
         # (faster), but its convolutions are slower than TensorFlow's oneDNN
         # kernels, and it takes minutes to compile a deep convolutional
         # network: see benchmarks/README.md.
-        return not any(convolutional.is_convolution(layer)
-                       for layer in self._flatten_layers())
+        return not self._has_convolutions()
+
+    def _has_convolutions(self):
+        return any(convolutional.is_convolution(layer)
+                   for layer in self._flatten_layers())
 
     # -- losses -------------------------------------------------------------
 
@@ -724,8 +728,10 @@ class FusedModel(keras.Model):
             elif setting != "auto":
                 count = setting
             elif (self._distribute_strategy is not None
-                  or not self.jit_compile
-                  or convolutional.runs_on_accelerator()):
+                  or convolutional.runs_on_accelerator()
+                  # Convolutional arrays without XLA: passes measured no
+                  # faster (benchmarks/README.md).
+                  or (not self.jit_compile and self._has_convolutions())):
                 count = self.num_models
             else:
                 count = self._checked_auto_models_per_pass(

@@ -23,8 +23,9 @@ of the work changes. Per kind of state:
 
 `compile(models_per_pass="auto")` (the default) uses passes only where they
 were measured to pay (`benchmarks/README.md`): on a CPU, in a step compiled
-with XLA, a pass holds as many models as fit their activations together in
-the last-level cache, at least one. Everywhere else the array is one pass,
+with XLA or for an array without convolutions (with or without XLA), a pass
+holds as many models as fit their activations together in the last-level
+cache, at least one. Everywhere else the array is one pass,
 and so it is where no array of fewer models can be built from the array's
 config (a subclass whose constructor takes more than its config holds).
 Evaluation and prediction run in one pass: passes measured no faster
@@ -83,7 +84,7 @@ def activation_bytes_per_model(array, batch_size):
 
 
 def auto_models_per_pass(array, batch_size):
-    """Models per pass for `models_per_pass="auto"` on a CPU under XLA:
+    """Models per pass for `models_per_pass="auto"` where it uses passes:
     as many as fit their activations in the last-level cache, at least
     one, at most all."""
     per_model = activation_bytes_per_model(
