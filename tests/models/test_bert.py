@@ -7,6 +7,7 @@ import pytest
 from testing import assert_close
 
 import hftatf
+from hftatf.layers import dense
 from hftatf.models import bert, recipes, text
 
 B = 3
@@ -106,9 +107,18 @@ def test_masked_lm_loss_counts_masked_positions_only():
 # -- arrays against stock models --------------------------------------------
 
 
-def test_array_trains_as_stock_models():
-    # (Tied heads train as stock ones in test_transformer.py.)
-    array = hftatf.fuse(small_bert(), B)
+@pytest.mark.parametrize("sizes", [{}, {"hidden_dim": 32,
+                                       "intermediate_dim": 128}],
+                         ids=["broadcast-products", "models-first-products"])
+def test_array_trains_as_stock_models(sizes):
+    # (Tied heads train as stock ones in test_transformer.py.) Wider
+    # layers take the models-first products, which keep that layout from
+    # one product to the next and through attention.
+    hidden = sizes.get("hidden_dim", 16)
+    inner = sizes.get("intermediate_dim", 24)
+    assert dense.products_models_first(
+        (8, B, 10, hidden), B, hidden, inner) == bool(sizes)
+    array = hftatf.fuse(small_bert(**sizes), B)
     stock = array.unfuse()
     inputs, labels = mlm_batch(24)
     # SGD: a fused Embedding's dense gradient equals the stock sparse
