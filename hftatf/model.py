@@ -23,7 +23,7 @@ from keras.src.trainers.trainer import model_supports_jit
 from hftatf import optimizers as fused_optimizers
 from hftatf import passes
 from hftatf.api import hftatf_export
-from hftatf.layers import convolutional
+from hftatf.layers import attention, convolutional
 from hftatf.layers.base import broadcast_to_models
 from hftatf.validation import check_num_models
 
@@ -368,9 +368,11 @@ class FusedModel(keras.Model):
             run_eagerly, steps_per_execution: as in Keras.
             jit_compile: as in Keras, except that `"auto"` turns XLA on
                 wherever the model supports it, CPU included (fused arrays
-                gain from it there too), but for models with convolutions on
-                a CPU (XLA's CPU convolutions are slower than TensorFlow's
-                and slow to compile). Under a distribution strategy, where
+                gain from it there too), but for models with convolutions or
+                multi-head attention on a CPU (XLA's CPU convolutions are
+                slower than TensorFlow's and slow to compile; Transformer
+                arrays measured faster without it). Under a distribution
+                strategy, where
                 Keras compiles no step with XLA, `"auto"` and True compile
                 each replica's forward and backward pass (on TPU the whole
                 replica step is compiled anyway).
@@ -487,8 +489,11 @@ class FusedModel(keras.Model):
         # On CPUs, XLA fuses an array's elementwise work and batched matmuls
         # (faster), but its convolutions are slower than TensorFlow's oneDNN
         # kernels, and it takes minutes to compile a deep convolutional
-        # network: see benchmarks/README.md.
-        return not self._has_convolutions()
+        # network; Transformer arrays, in passes, trained faster without it
+        # (benchmarks/README.md).
+        return not (self._has_convolutions() or any(
+            isinstance(layer, attention.FusedAttentionBase)
+            for layer in self._flatten_layers()))
 
     def _has_convolutions(self):
         return any(convolutional.is_convolution(layer)
