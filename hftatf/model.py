@@ -155,16 +155,44 @@ def _per_model(tensor, num_models, reduce_rows, join_rows):
     return reduce_rows(ops.reshape(tensor, (num_models, -1)))
 
 
+def _unstack_models(tensor, num_models):
+    """`[tensor[:, b] for b in range(num_models)]`, without copies where
+    they can be avoided.
+
+    One model's slice is a reshape (no copy, nor in its gradient). Several
+    are one `unstack` (whose gradient is one `stack`: B separate slices
+    would cost B gradients of the size of the whole tensor). Where the
+    tensor was just transposed from models first (the last product of the
+    array, `dense.per_model_matmul`), it is transposed back and unstacked
+    on its first axis: TensorFlow's optimizers cancel the two transposes,
+    and an unstack of the first axis shares its input's memory."""
+    if num_models == 1:
+        return [ops.squeeze(tensor, 1)]
+    swap = (1, 0, *range(2, len(tensor.shape)))
+    if _transposed_by(tensor, swap):
+        return ops.unstack(ops.transpose(tensor, swap), num_models, axis=0)
+    return ops.unstack(tensor, num_models, axis=1)
+
+
+def _transposed_by(tensor, order):
+    """Whether `tensor` is, in a traced graph, the output of a transpose
+    by `order`."""
+    op = None if tf.executing_eagerly() else getattr(tensor, "op", None)
+    if op is None or op.type != "Transpose":
+        return False
+    perm = tf.get_static_value(op.inputs[1])
+    return perm is not None and tuple(perm.tolist()) == order
+
+
 def _model_slices(tensor, num_models):
-    """`[tensor[:, b] for b in range(num_models)]` from one `unstack`, whose
-    gradient is one `stack`: B separate slices would cost B gradients of
-    the size of the whole tensor. Keeps the logits Keras caches on softmax
-    and sigmoid outputs (its crossentropy reads them for exactness)."""
-    slices = ops.unstack(tensor, num_models, axis=1)
+    """Each model's slice of `tensor` (`_unstack_models`), keeping the
+    logits Keras caches on softmax and sigmoid outputs (its crossentropy
+    reads them for exactness)."""
+    slices = _unstack_models(tensor, num_models)
     logits = getattr(tensor, "_keras_logits", None)
     if logits is not None:
         for sliced, sliced_logits in zip(
-                slices, ops.unstack(logits, num_models, axis=1)):
+                slices, _unstack_models(logits, num_models)):
             try:
                 sliced._keras_logits = sliced_logits
             except AttributeError:

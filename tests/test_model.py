@@ -3,9 +3,11 @@
 import keras
 import numpy as np
 import pytest
-from testing import assert_close
+import tensorflow as tf
+from testing import assert_close, optimized_ops
 
 import hftatf
+from hftatf.layers import dense
 
 B = 4
 LEARNING_RATES = [0.05, 0.1, 0.02, 0.2]
@@ -129,6 +131,46 @@ def test_predict_and_evaluate_layout():
     assert {f"loss_{b}" for b in range(B)} <= set(logs)
     assert {f"accuracy_{b}" for b in range(B)} <= set(logs)
     assert all(np.ndim(value) == 0 for value in logs.values())
+
+
+@pytest.mark.parametrize("num_models", [1, 3])
+def test_per_model_losses_copy_no_predictions(num_models):
+    # The losses take each model's predictions without copying them: one
+    # model's are a reshape; those of a product computed with the models
+    # first are unstacked on that axis (slices that share its memory),
+    # where TensorFlow's optimizer cancels the product's transpose back,
+    # and its gradient. The step moves only its input models first.
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, num_models, 4, 8)).astype("float32")
+    y = rng.integers(0, 16, size=(2, 4)).astype("int32")
+    inputs = keras.Input((4, 8))
+    array = hftatf.fuse(keras.Model(inputs, keras.layers.Dense(16)(inputs)),
+                        num_models, shared_inputs=False)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    array.compile(loss=loss)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            losses = array.compute_model_losses(
+                x, y, array(x, training=True))
+            total = keras.ops.sum(losses)
+        return losses, tape.gradient(total, array.trainable_weights)
+
+    ops = optimized_ops(step, x, y)
+    if num_models == 1:
+        assert ops["Unpack"] == 0 and ops["Transpose"] == 0
+    else:
+        assert dense.products_models_first(x.shape, num_models, 8, 16)
+        assert ops["Transpose"] == 1
+    losses, gradients = step(x, y)
+    for b, model in enumerate(array.unfuse()):
+        with tf.GradientTape() as tape:
+            expected = loss(y, model(x[:, b]))
+        assert_close(losses[b], expected)
+        for ours, theirs in zip(gradients, tape.gradient(
+                expected, model.trainable_weights)):
+            assert_close(ours[b], theirs)
 
 
 def test_regularization_losses_are_per_model():

@@ -1,6 +1,9 @@
 """Helpers shared by the tests: the stock-Keras oracle and tolerances."""
 
+import collections
+
 import numpy as np
+from tensorflow.python.eager import context
 
 # float32 arithmetic done in another order (einsum vs matmul, XLA vs not):
 # differences are a few units in the last place of the values involved.
@@ -185,3 +188,27 @@ def compare_layer_with_stock(stock_layers, fused, inputs, rng, training=None,
             assert_close(grad, shared_sums[i], atol, rtol,
                          err_msg=f"gradient of shared input {i}")
     return y
+
+
+# -- graphs ------------------------------------------------------------------
+
+
+def optimized_ops(function, *args):
+    """The op types TensorFlow's graph optimizer leaves in the graphs of
+    `function` (a `tf.function`, first called here with `args`), counted."""
+    context.export_run_metadata()  # Drops what earlier calls left.
+    context.enable_graph_collection()
+    try:
+        function(*args)
+        metadata = context.export_run_metadata()
+    finally:
+        context.disable_graph_collection()
+    return collections.Counter(
+        node.op for graph in metadata.function_graphs
+        for node in graph.post_optimization_graph.node)
+
+
+def optimized_transposes(function, *args):
+    """How many transposes `optimized_ops` finds."""
+    return sum(count for op, count in optimized_ops(function, *args).items()
+               if "Transpose" in op)

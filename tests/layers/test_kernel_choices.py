@@ -15,8 +15,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.eager import context
-from testing import compare_layer_with_stock, randomize_weights, stacked_weights
+from testing import (
+    compare_layer_with_stock,
+    optimized_transposes,
+    randomize_weights,
+    stacked_weights,
+)
 
 from hftatf.layers import (
     FusedBatchNormalization,
@@ -307,20 +311,6 @@ def test_multi_head_attention_runs_no_general_einsum(num_models):
     graph = gradients.get_concrete_function(tf.TensorSpec(shape)).graph
     op_types = {op.type for op in graph.get_operations()}
     assert "BatchMatMulV2" in op_types and "Einsum" not in op_types
-
-
-def optimized_transposes(function, *args):
-    """The transposes TensorFlow's graph optimizer leaves in the graphs of
-    `function` (a `tf.function`, first called here with `args`)."""
-    context.export_run_metadata()  # Drops what earlier calls left.
-    context.enable_graph_collection()
-    try:
-        function(*args)
-        metadata = context.export_run_metadata()
-    finally:
-        context.disable_graph_collection()
-    return sum("Transpose" in node.op for graph in metadata.function_graphs
-               for node in graph.post_optimization_graph.node)
 
 
 def forward_and_backward(call):
