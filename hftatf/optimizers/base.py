@@ -239,9 +239,41 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         return self._per_model(self._hyper_variables[name], variable)
 
     def _per_model(self, values, variable):
-        """Broadcasts a `[B]` vector against a `[B, ...]` variable."""
-        return broadcast_to_models(ops.cast(values, variable.dtype),
-                                   len(variable.shape))
+        """Broadcasts a `[B]` vector against a `[B, ...]` variable; once per
+        rank and dtype in a step (`_broadcasts`)."""
+        rank, dtype = len(variable.shape), variable.dtype
+        cache = _BROADCASTS.__dict__.get(id(self))
+        key = (id(values), rank, dtype)
+        if cache is not None and key in cache and cache[key][0] is values:
+            return cache[key][1]
+        result = broadcast_to_models(ops.cast(values, dtype), rank)
+        if cache is not None:
+            # The source is kept with its broadcast: its id stays its own.
+            cache[key] = (values, result)
+        return result
+
+    @contextlib.contextmanager
+    def _broadcasts(self):
+        """Within, each `[B]` hyper-parameter (and step count) is cast and
+        reshaped once per variable rank and dtype, not once per variable:
+        on a CPU without XLA, a step of many small variables spends much
+        of its time on those ops. Not under tf.distribute, where each
+        variable's update runs on its own device."""
+        if tf.distribute.has_strategy():
+            yield
+            return
+        caches = _BROADCASTS.__dict__
+        previous = caches.get(id(self))
+        # A fresh cache in each branch of a cond: a tensor made in one
+        # branch cannot be read outside it.
+        caches[id(self)] = {}
+        try:
+            yield
+        finally:
+            if previous is None:
+                caches.pop(id(self), None)
+            else:
+                caches[id(self)] = previous
 
     def _local_step(self, variable):
         """Each model's number for the step being taken (1 for its first
@@ -249,7 +281,12 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         math depends on the step (bias corrections, decays) read it here,
         never from `self.iterations`: a model whose step is skipped (a
         non-finite gradient under loss scaling) keeps its own count."""
-        return self._per_model(self.model_iterations + 1, variable)
+        cache = _BROADCASTS.__dict__.get(id(self))
+        if cache is None:
+            return self._per_model(self.model_iterations + 1, variable)
+        if "step" not in cache:
+            cache["step"] = self.model_iterations + 1
+        return self._per_model(cache["step"], variable)
 
     @property
     def ema_momentum(self):
@@ -445,7 +482,22 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         trainable_variables = self._variables_to_update(grads,
                                                         trainable_variables)
         mask = self._standardize_model_mask(model_mask)
-        with keras.name_scope(self.name, caller=self), self._masked(mask):
+        if mask is None or tf.distribute.has_strategy():
+            # (A replica-context cond may not hold the merge_call that
+            # updates make under tf.distribute.)
+            self._apply(grads, trainable_variables, mask)
+        else:
+            # Most steps update every model: those take the unmasked
+            # update, without a select per variable and slot.
+            ops.cond(ops.all(mask),
+                     lambda: self._apply(grads, trainable_variables, None),
+                     lambda: self._apply(grads, trainable_variables, mask))
+
+    def _apply(self, grads, trainable_variables, mask):
+        """`apply` to the built optimizer's `trainable_variables`, with the
+        standardized `mask`."""
+        with keras.name_scope(self.name, caller=self), self._masked(mask), \
+                self._broadcasts():
             grads, trainable_variables = self._filter_empty_gradients(
                 grads, trainable_variables)
             grads, trainable_variables = (
@@ -549,7 +601,7 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     def _for_models(self, due, update):
         """Runs `update` for the models where the `[B]` boolean `due` holds
         (and that the step applies to); the others are left untouched."""
-        with self._masked(due):
+        with self._masked(due), self._broadcasts():
             if tf.distribute.has_strategy():
                 # A replica-context cond may not hold a merge_call, which
                 # updates under tf.distribute make: run, selecting per model.
@@ -728,6 +780,7 @@ class FusedOptimizer(keras.optimizers.Optimizer):
 
 # Per thread, the masks of the partial steps being applied, by optimizer.
 _MASKS = threading.local()
+_BROADCASTS = threading.local()
 
 
 def _unwrap(variable):

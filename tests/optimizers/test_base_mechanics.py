@@ -6,6 +6,8 @@ as they were, and update the others exactly as their stock twins, which
 simply do not take the steps their model skips.
 """
 
+import collections
+
 import keras
 import numpy as np
 import pytest
@@ -496,3 +498,32 @@ def test_model_step_counts_are_checkpointed(how, tmp_path):
     restored.apply_gradients(zip(grads, restored_vars), model_mask=mask)
     for variable, saved_var in zip(restored_vars, saved_vars):
         np.testing.assert_array_equal(variable.numpy(), saved_var.numpy())
+
+
+def _branch_op_counts(num_variables):
+    """The op types of each branch of a traced masked Adam step over
+    `num_variables` variables of one shape: `{branch: Counter}`."""
+    variables = [keras.Variable(np.ones((3, 4, 5), "float32"))
+                 for _ in range(num_variables)]
+    optimizer = optimizers.Adam([0.1, 0.2, 0.3])
+    optimizer.build(variables)
+    grads = [tf.ones((3, 4, 5))] * num_variables
+    step = tf.function(lambda mask: optimizer.apply(grads, variables, mask))
+    graph = step.get_concrete_function(
+        tf.TensorSpec((3,), tf.bool)).graph
+    (cond,) = [op for op in graph.get_operations() if "If" in op.type]
+    return {branch: collections.Counter(
+        node.op for node in graph._get_function(
+            cond.get_attr(branch).name).definition.node_def)
+        for branch in ("then_branch", "else_branch")}
+
+
+def test_steps_of_every_model_select_nothing_and_broadcast_once():
+    # A masked step where every model trains takes the unmasked update
+    # (no select per variable and slot); each hyper-parameter and the step
+    # count are broadcast once per variable rank, not once per variable.
+    two, four = _branch_op_counts(2), _branch_op_counts(4)
+    assert two["then_branch"]["SelectV2"] == 0
+    assert four["else_branch"]["SelectV2"] == 2 * two["else_branch"][
+        "SelectV2"] > 0
+    assert four["then_branch"]["Reshape"] == two["then_branch"]["Reshape"]
