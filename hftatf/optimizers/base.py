@@ -259,21 +259,11 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         on a CPU without XLA, a step of many small variables spends much
         of its time on those ops. Not under tf.distribute, where each
         variable's update runs on its own device."""
-        if tf.distribute.has_strategy():
-            yield
-            return
-        caches = _BROADCASTS.__dict__
-        previous = caches.get(id(self))
         # A fresh cache in each branch of a cond: a tensor made in one
         # branch cannot be read outside it.
-        caches[id(self)] = {}
-        try:
+        with _set_for(_BROADCASTS, self,
+                      None if tf.distribute.has_strategy() else {}):
             yield
-        finally:
-            if previous is None:
-                caches.pop(id(self), None)
-            else:
-                caches[id(self)] = previous
 
     def _local_step(self, variable):
         """Each model's number for the step being taken (1 for its first
@@ -648,28 +638,18 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     @property
     def _model_mask(self):
         """The `[B]` mask of the models being updated, or None (all)."""
-        return getattr(_MASKS, "masks", {}).get(id(self))
+        return _MASKS.__dict__.get(id(self))
 
     @contextlib.contextmanager
     def _masked(self, mask, replace=False):
         """Restricts updates to the models where `mask` holds (and where the
         enclosing mask holds, unless `replace`). Masks are kept per thread:
         tf.distribute runs each replica in a thread of its own."""
-        if not hasattr(_MASKS, "masks"):
-            _MASKS.masks = {}
-        masks = _MASKS.masks
-        previous = masks.get(id(self))
+        previous = self._model_mask
         if mask is not None and previous is not None and not replace:
             mask = ops.logical_and(previous, mask)
-        if mask is not None:
-            masks[id(self)] = mask
-        try:
+        with _set_for(_MASKS, self, mask):
             yield
-        finally:
-            if previous is None:
-                masks.pop(id(self), None)
-            else:
-                masks[id(self)] = previous
 
     def assign(self, variable, value):
         mask = self._model_mask
@@ -778,9 +758,28 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         return cls(**config)
 
 
-# Per thread, the masks of the partial steps being applied, by optimizer.
+# Per thread, by optimizer: the masks of the partial steps being applied,
+# and the caches of `_per_model`.
 _MASKS = threading.local()
 _BROADCASTS = threading.local()
+
+
+@contextlib.contextmanager
+def _set_for(store, optimizer, value):
+    """Within, this thread's entry of `optimizer` in `store` (a
+    `threading.local`) is `value`, unless `value` is None; the previous
+    entry (or none) is restored after."""
+    entries = store.__dict__
+    previous = entries.get(id(optimizer))
+    if value is not None:
+        entries[id(optimizer)] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            entries.pop(id(optimizer), None)
+        else:
+            entries[id(optimizer)] = previous
 
 
 def _unwrap(variable):
