@@ -11,9 +11,11 @@ import keras
 import numpy as np
 
 from hftatf.layers import registry
+from hftatf.layers.convolutional import runs_on_accelerator
 from hftatf.layers.fold import (
     BroadcastToModels,
     FoldModelAxis,
+    SwapModelAxis,
     UnfoldModelAxis,
     copy_layer,
     has_random_state,
@@ -21,9 +23,11 @@ from hftatf.layers.fold import (
 from hftatf.model import FusedModel
 from hftatf.validation import check_num_models
 
+LAYOUTS = ("auto", "batch_first", "models_first")
+
 
 def fuse(model, num_models, shared_inputs=True, name=None,
-         model_class=FusedModel):
+         model_class=FusedModel, layout="auto"):
     """Turns a functional or Sequential Keras model into an array of B.
 
     Every layer is mapped to its fused form (`hftatf.layers.registry`); a
@@ -45,11 +49,26 @@ def fuse(model, num_models, shared_inputs=True, name=None,
             (`[batch, B, ...]`); a bool for all inputs or one per input.
         name: the array's name; defaults to `"fused_" + model.name`.
         model_class: the `FusedModel` subclass to build.
+        layout: how activations between the array's layers are laid out:
+            `"batch_first"`, `[batch, B, ...]` everywhere; `"models_first"`,
+            `[B, batch, ...]` from each convolution through the layers that
+            compute in that layout too (batch normalization, activations,
+            merges, padding, pooling), back to `[batch, B, ...]` before
+            any other layer; `"auto"` (the default), models first on a CPU,
+            where convolutions run per model and their per-model slices
+            of `[B, batch, ...]` are views, not copies, and batch first on
+            a GPU or TPU. The array's inputs and outputs are the same in
+            every layout, and so is what each model computes.
 
     Returns:
         A `FusedModel` whose outputs are `[batch, B, ...]`.
     """
     num_models = check_num_models(num_models)
+    if layout not in LAYOUTS:
+        raise ValueError(
+            f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}.")
+    if layout == "auto":
+        layout = "batch_first" if runs_on_accelerator() else "models_first"
     _check_fusable(model)
     structure = _input_structure(model)
     inputs = keras.tree.flatten(structure)
@@ -61,7 +80,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
             f"`shared_inputs` needs one bool per input of model "
             f"'{model.name}' ({len(inputs)} inputs). Received: "
             f"shared_inputs={shared_inputs!r}.")
-    walker = _Walker(num_models)
+    walker = _Walker(num_models, models_first=layout == "models_first")
     new_inputs = [walker.input_like(x, shared)
                   for x, shared in zip(inputs, shared_inputs)]
     outputs = walker.run(model, new_inputs)
@@ -110,14 +129,27 @@ def _input_structure(model):
 
 class _Walker:
     """Rebuilds a model's graph with fused layers, tracking which tensors
-    are still shared by all models (`[batch, ...]`)."""
+    are still shared by all models (`[batch, ...]`) and, with
+    `models_first`, which have the models first (`[B, batch, ...]`).
 
-    def __init__(self, num_models):
+    With `models_first`, a convolution computes with the models first when
+    its input has them first or every layer that reads its output can take
+    them so; another layer that can computes with the models first when one
+    of its inputs has them first. Every other layer, and the array's
+    outputs, get `[batch, B, ...]` (one `SwapModelAxis` per tensor)."""
+
+    def __init__(self, num_models, models_first=False):
         self.num_models = num_models
+        self.models_first = models_first
         self._shared = {}  # id(tensor) -> (tensor, is shared)
+        self._first = {}  # id(tensor) -> (tensor, has the models first)
+        self._swapped = {}  # id(tensor) -> (tensor, axes 0 and 1 swapped)
+        self._layouts = {}  # id(stock layer) -> models first
+        self._feeds_models_first = {}  # id(stock layer) -> bool
         self._fused = {}  # id(stock layer) -> fused layer
         self._stock_copies = {}  # id(stock layer) -> copy for shared inputs
-        self._broadcasts = {}  # id(shared tensor) -> [batch, B, ...] tensor
+        # (id(shared tensor), models first) -> (tensor, broadcast)
+        self._broadcasts = {}
         self._folded = {}  # id([batch, B, ...] tensor) -> [batch * B, ...]
         self._calls = collections.Counter()  # id(stock layer) -> calls
 
@@ -134,24 +166,95 @@ class _Walker:
         self._mark(tensor, shared)
         return tensor
 
-    def _mark(self, outputs, shared):
+    def _mark(self, outputs, shared, first=False):
         for tensor in keras.tree.flatten(outputs):
             if isinstance(tensor, keras.KerasTensor):
                 self._shared[id(tensor)] = (tensor, shared)
+                self._first[id(tensor)] = (tensor, first)
 
     def _is_shared(self, tensor):
         return self._shared.get(id(tensor), (None, False))[1]
 
+    def _has_models_first(self, tensor):
+        return self._first.get(id(tensor), (None, False))[1]
+
+    def _swap(self, tensor):
+        """`tensor` with its batch and model axes swapped, once per
+        tensor; swapping back returns `tensor` itself."""
+        if id(tensor) not in self._swapped:
+            swapped = SwapModelAxis()(tensor)
+            self._mark(swapped, False, not self._has_models_first(tensor))
+            self._swapped[id(tensor)] = (tensor, swapped)
+            self._swapped[id(swapped)] = (swapped, tensor)
+        return self._swapped[id(tensor)][1]
+
+    def _broadcast(self, tensor, first):
+        """The shared `tensor` given to every model, once per layout."""
+        key = (id(tensor), first)
+        if key not in self._broadcasts:
+            broadcast = BroadcastToModels(
+                self.num_models, models_first=first)(tensor)
+            self._mark(broadcast, False, first)
+            self._broadcasts[key] = (tensor, broadcast)
+        return self._broadcasts[key][1]
+
     def per_model(self, tensor):
         """Returns `tensor` as `[batch, B, ...]`, broadcasting if shared."""
-        if not isinstance(tensor, keras.KerasTensor) or not self._is_shared(
-                tensor):
+        if not isinstance(tensor, keras.KerasTensor):
             return tensor
-        if id(tensor) not in self._broadcasts:
-            broadcast = BroadcastToModels(self.num_models)(tensor)
-            self._mark(broadcast, False)
-            self._broadcasts[id(tensor)] = (tensor, broadcast)
-        return self._broadcasts[id(tensor)][1]
+        if self._has_models_first(tensor):
+            return self._swap(tensor)
+        if self._is_shared(tensor):
+            return self._broadcast(tensor, False)
+        return tensor
+
+    def with_models_first(self, tensor):
+        """Returns `tensor` as `[B, batch, ...]`, broadcasting if shared."""
+        if not isinstance(tensor, keras.KerasTensor) or (
+                self._has_models_first(tensor)):
+            return tensor
+        if self._is_shared(tensor):
+            return self._broadcast(tensor, True)
+        return self._swap(tensor)
+
+    def _takes_models_first(self, operation):
+        return (self.models_first
+                and isinstance(operation, keras.layers.Layer)
+                and not isinstance(operation, keras.Model)
+                and registry.takes_models_first(operation))
+
+    def _find_consumers(self, model):
+        """For every layer of `model`, whether every layer that reads its
+        outputs can take them with the models first (not so for the
+        model's outputs)."""
+        feeds = self._feeds_models_first
+        if isinstance(model, keras.Sequential):
+            layers = list(model.layers)
+            for layer, consumer in zip(layers, layers[1:] + [None]):
+                feeds[id(layer)] = feeds.get(id(layer), True) and (
+                    consumer is not None and self._takes_models_first(
+                        consumer))
+            return
+        for nodes in model._nodes_by_depth.values():
+            for node in nodes:
+                takes = self._takes_models_first(node.operation)
+                for tensor in node.input_tensors:
+                    producer = tensor._keras_history.operation
+                    feeds[id(producer)] = feeds.get(id(producer),
+                                                    True) and takes
+        for tensor in keras.tree.flatten(model.outputs):
+            feeds[id(tensor._keras_history.operation)] = False
+
+    def _runs_models_first(self, layer, tensors):
+        """Whether the fused form of `layer`, called on `tensors`,
+        computes with the models first (decided at its first call)."""
+        if id(layer) not in self._layouts:
+            first = self._takes_models_first(layer) and (
+                any(self._has_models_first(t) for t in tensors)
+                or (registry.fused_form(layer).prefers_models_first
+                    and self._feeds_models_first.get(id(layer), False)))
+            self._layouts[id(layer)] = first
+        return self._layouts[id(layer)]
 
     def run(self, model, inputs):
         """Rebuilds `model`'s graph on `inputs`; returns per-model outputs."""
@@ -163,6 +266,8 @@ class _Walker:
                      for nodes in model._nodes_by_depth.values()
                      for node in nodes]
         self._calls = collections.Counter(calls)
+        if self.models_first:
+            self._find_consumers(model)
         if isinstance(model, keras.Sequential):
             outputs = inputs[0]
             for layer in model.layers:
@@ -191,14 +296,19 @@ class _Walker:
         # A Dense or convolution on a shared tensor takes it as it is: no
         # per-model copies of the shared input.
         shared = self._takes_shared_input(layer, args, tensors)
-        if not shared:
+        first = self._runs_models_first(layer, tensors)
+        if first and not shared:
+            args, kwargs = keras.tree.map_structure(
+                self.with_models_first, (args, kwargs))
+        elif not shared:
             args, kwargs = keras.tree.map_structure(
                 self.per_model, (args, kwargs))
         if id(layer) not in self._fused:
             self._fused[id(layer)] = (layer, registry.fuse_layer(
-                layer, self.num_models, shared_input=shared))
+                layer, self.num_models, shared_input=shared,
+                models_first=first))
         outputs = self._fused[id(layer)][1](*args, **kwargs)
-        self._mark(outputs, False)
+        self._mark(outputs, False, first)
         return outputs
 
     def _takes_shared_input(self, layer, args, tensors):
@@ -247,7 +357,7 @@ class _Walker:
         model of fused layers, with its name, taking per-model inputs."""
         if id(model) not in self._fused:
             _check_fusable(model)
-            walker = _Walker(self.num_models)
+            walker = _Walker(self.num_models, self.models_first)
             inputs = [walker.input_like(x, shared=False)
                       for x in keras.tree.flatten(_input_structure(model))]
             nested = keras.Model(
@@ -298,7 +408,7 @@ def unfuse(array):
 
 
 def fuse_models(models, shared_inputs=True, name=None,
-                model_class=FusedModel):
+                model_class=FusedModel, layout="auto"):
     """Stacks B trained plain Keras models of one architecture into an array.
 
     Model `b` of the array holds `models[b]`'s weights (trainable and not,
@@ -311,7 +421,7 @@ def fuse_models(models, shared_inputs=True, name=None,
             `hftatf.export_models` (or the SavedModel inside one, whose
             weights are read from the `.keras` file or checkpoint next to
             it).
-        shared_inputs, name, model_class: as for `hftatf.fuse`.
+        shared_inputs, name, model_class, layout: as for `hftatf.fuse`.
 
     Raises:
         ValueError: for models whose architectures differ, naming the first
@@ -336,7 +446,7 @@ def fuse_models(models, shared_inputs=True, name=None,
                 f"model {index} ('{model.name}') differs from model 0 "
                 f"('{models[0].name}'): {difference}.")
     array = fuse(models[0], len(models), shared_inputs=shared_inputs,
-                 name=name, model_class=model_class)
+                 name=name, model_class=model_class, layout=layout)
     fused = dict(_weighted_layers(array))
     layers = [_weighted_layers(model) for model in models]
     for position, (path, _) in enumerate(layers[0]):

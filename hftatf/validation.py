@@ -22,12 +22,15 @@ def check_num_models(num_models):
     return int(num_models)
 
 
-def check_model_axis(layer_name, num_models, shape):
-    """Raises a ValueError unless axis 1 of `shape` is a model axis of B."""
-    if len(shape) < 2 or shape[1] not in (None, num_models):
+def check_model_axis(layer_name, num_models, shape, axis=1):
+    """Raises a ValueError unless axis `axis` of `shape` (1, or 0 for
+    activations with the models first) is a model axis of B."""
+    if len(shape) < 2 or shape[axis] not in (None, num_models):
+        layout = ("[num_models, batch, ...]" if axis == 0
+                  else "[batch, num_models, ...]")
         raise ValueError(
             f"Layer '{layer_name}' of an array of {num_models} models expects "
-            "inputs of shape [batch, num_models, ...] with "
-            f"num_models={num_models} on axis 1. Received input shape "
+            f"inputs of shape {layout} with "
+            f"num_models={num_models} on axis {axis}. Received input shape "
             f"{tuple(shape)}."
         )

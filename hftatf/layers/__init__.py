@@ -38,6 +38,7 @@ from hftatf.layers.fold import (
     BroadcastToModels,
     FoldModelAxis,
     FusedFold,
+    SwapModelAxis,
     UnfoldModelAxis,
 )
 from hftatf.layers.normalization import (
@@ -92,5 +93,6 @@ __all__ = [
     "FusedTimeDistributed",
     "PER_SAMPLE_LAYERS",
     "registry",
+    "SwapModelAxis",
     "UnfoldModelAxis",
 ]

@@ -119,7 +119,12 @@ class FusedLayer(keras.layers.Layer):
 
     Subclasses take `num_models` plus exactly the arguments of their stock
     layer, create weights with `add_model_weight`, and compute on activations
-    whose axis 1 is the model axis.
+    whose axis 1 is the model axis: `[batch, B, ...]`. Those that set
+    `supports_models_first` also compute on activations with the models
+    first, `[B, batch, ...]`, when built with `models_first=True`: the
+    layout `hftatf.fuse` keeps between the per-model convolutions of a CPU
+    array, where taking each model's slice of `[batch, B, ...]` is a copy
+    and of `[B, batch, ...]` is not.
 
     State and the model axis: weights and non-trainable statistics always
     carry it (`[B, ...]`); regularizers, constraints and the activity
@@ -130,16 +135,45 @@ class FusedLayer(keras.layers.Layer):
         num_models: the number of models `B` in the array.
         activity_regularizer: as in the stock layer; applied to each model's
             output slice and divided by the batch size, like Keras does.
+        models_first: whether activations have the models first,
+            `[B, batch, ...]`, instead of `[batch, B, ...]`; only for layers
+            that set `supports_models_first`.
         **kwargs: the stock `keras.layers.Layer` arguments (`name`, `dtype`,
             `trainable`, ...).
     """
 
-    def __init__(self, num_models, activity_regularizer=None, **kwargs):
+    supports_models_first = False
+    # Whether the layer computes faster with the models first, so that
+    # `hftatf.fuse` gives it that layout even from inputs without it.
+    prefers_models_first = False
+
+    def __init__(self, num_models, activity_regularizer=None,
+                 models_first=False, **kwargs):
         super().__init__(**kwargs)
         self.num_models = check_num_models(num_models)
         self.model_activity_regularizer = keras.regularizers.get(
             activity_regularizer
         )
+        if models_first and not self.supports_models_first:
+            raise ValueError(
+                f"{type(self).__name__} computes only on [batch, num_models, "
+                "...] activations. Received: models_first=True.")
+        self.models_first = bool(models_first)
+
+    @property
+    def model_axis(self):
+        """The model axis of this layer's activations: 0 with the models
+        first, else 1."""
+        return 0 if self.models_first else 1
+
+    @classmethod
+    def takes_models_first(cls, layer):
+        """Whether the fused form of the stock `layer` can compute with the
+        models first (`models_first=True`). Fused layers that can
+        override `supports_models_first` (and this, where it depends on the
+        stock layer's arguments)."""
+        del layer
+        return cls.supports_models_first
 
     @classmethod
     def from_stock(cls, layer, num_models, **kwargs):
@@ -214,14 +248,18 @@ class FusedLayer(keras.layers.Layer):
 
     def _activity_loss(self, output):
         regularizer = self.model_activity_regularizer
-        losses = ops.stack([regularizer(output[:, b])
-                            for b in range(self.num_models)])
-        batch_size = ops.cast(ops.shape(output)[0], losses.dtype)
+        losses = ops.stack([
+            regularizer(ops.take(output, b, axis=self.model_axis))
+            for b in range(self.num_models)])
+        batch_size = ops.cast(ops.shape(output)[1 - self.model_axis],
+                              losses.dtype)
         return ops.divide_no_nan(losses, batch_size)
 
     def get_config(self):
         config = super().get_config()
         config["num_models"] = self.num_models
+        if self.models_first:
+            config["models_first"] = True
         config["activity_regularizer"] = keras.regularizers.serialize(
             self.model_activity_regularizer
         )

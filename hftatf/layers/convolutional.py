@@ -47,6 +47,13 @@ Per-model kernels take their slices with one `unstack` of the input and
 return them with one `stack`, adding each model's bias as the stock layer
 does; folded kernels add the bias in the folded layout, where it is one
 stock bias of `B * filters` channels.
+
+With `models_first=True` every family computes on activations with the
+models first, `[B, batch, *spatial, channels]`, and returns them so. That
+is the layout `hftatf.fuse` keeps between the convolutions of a CPU array:
+there the per-model slices of the input are views of it, where those of
+`[batch, B, ...]` are copies (and so are the gradients that stack them
+back). Folded kernels move the models next to the channels either way.
 """
 
 import keras
@@ -200,6 +207,11 @@ class _FusedConvolution(FusedLayer):
     `_unfold`; then `_activate`.
     """
 
+    supports_models_first = True
+    # Per-model kernels unstack the model axis: views of the input with
+    # the models first, copies with them second.
+    prefers_models_first = True
+
     def __init__(self, num_models, rank, kernel_size, strides, padding,
                  data_format, dilation_rate, activation, use_bias,
                  bias_initializer, bias_regularizer, bias_constraint,
@@ -271,7 +283,8 @@ class _FusedConvolution(FusedLayer):
                 "the input its model axis at 1 (hftatf.fuse does, or use "
                 "hftatf.layers.BroadcastToModels on a shared batch)."
             )
-        check_model_axis(self.name, self.num_models, input_shape)
+        check_model_axis(self.name, self.num_models, input_shape,
+                         self.model_axis)
         channels = input_shape[-1]
         if channels is None:
             raise ValueError(
@@ -279,7 +292,8 @@ class _FusedConvolution(FusedLayer):
                 f"Received input shape {input_shape}."
             )
         self.input_spec = keras.layers.InputSpec(
-            ndim=self.rank + 3, axes={1: self.num_models, -1: channels})
+            ndim=self.rank + 3,
+            axes={self.model_axis: self.num_models, -1: channels})
         return channels
 
     def _add_bias(self, filters):
@@ -296,15 +310,16 @@ class _FusedConvolution(FusedLayer):
     def _per_model(self, convolution, inputs, *kernels, shared=False):
         """Model `b`'s stock convolution and bias on its own input slice,
         for every `b`: `convolution(x[:, b], *(k[b] for k in kernels))`,
-        stacked on axis 1; on `x` itself for an input all models share
-        (`shared`).
+        stacked on the model axis; on `x` itself for an input all models
+        share (`shared`).
 
         The slices come from one `unstack` (and go back with one `stack`),
         whose gradients are one `stack` and one `unstack`: slicing `x[:, b]`
         B times would cost B gradients of the size of the whole input.
         """
         def unstack(x, axis):
-            # One model: a reshape, not a copy.
+            # One model: a reshape, not a copy. Unstacking axis 0 takes
+            # views of `x`; any other axis copies.
             if self.num_models == 1:
                 return [ops.squeeze(x, axis)]
             return ops.unstack(x, axis=axis)
@@ -314,7 +329,7 @@ class _FusedConvolution(FusedLayer):
                   else [None] * self.num_models)
         outputs = []
         slices = ([inputs] * self.num_models if shared
-                  else unstack(inputs, 1))
+                  else unstack(inputs, self.model_axis))
         for index, x in enumerate(slices):
             y = convolution(x, *(k[index] for k in per_kernel))
             if biases[index] is not None:
@@ -328,8 +343,27 @@ class _FusedConvolution(FusedLayer):
                 y = y + bias if shared else ops.add(y, bias)
             outputs.append(y)
         if self.num_models == 1:
-            return ops.expand_dims(outputs[0], 1)
-        return ops.stack(outputs, axis=1)
+            return ops.expand_dims(outputs[0], self.model_axis)
+        return ops.stack(outputs, axis=self.model_axis)
+
+    def _fold(self, inputs):
+        """The input folded for one kernel over all models: `[batch,
+        *spatial, B * C]`, from either layout."""
+        if self.models_first and self.num_models > 1:
+            inputs = ops.swapaxes(inputs, 0, 1)
+        elif self.models_first:
+            inputs = ops.reshape(inputs, (-1, 1, *ops.shape(inputs)[2:]))
+        return _fold(inputs, self.num_models)
+
+    def _unfold(self, outputs):
+        """Folded outputs `[batch, *spatial, B * F]` in this layer's
+        layout."""
+        outputs = _unfold(outputs, self.num_models)
+        if not self.models_first:
+            return outputs
+        if self.num_models == 1:
+            return ops.reshape(outputs, (1, -1, *ops.shape(outputs)[2:]))
+        return ops.swapaxes(outputs, 0, 1)
 
     def _add_folded_bias(self, outputs):
         """Adds the bias to outputs folded as `[batch, *spatial, B * F]`:
@@ -353,11 +387,12 @@ class _FusedConvolution(FusedLayer):
             "data_format": self.data_format,
         }
 
-    @staticmethod
-    def _per_model_shape(input_shape):
-        return (input_shape[0], *input_shape[2:])
+    def _per_model_shape(self, input_shape):
+        return (input_shape[1 - self.model_axis], *input_shape[2:])
 
     def _fused_shape(self, shape):
+        if self.models_first:
+            return (self.num_models, *shape)
         return (shape[0], self.num_models, *shape[1:])
 
     def get_config(self):
@@ -524,9 +559,8 @@ class FusedBaseConv(_FusedConvolution):
         if self.shared_input and grouped:
             # Model b's filters at b*F .. b*F + F - 1 of one stock
             # convolution.
-            outputs = _unfold(self._add_folded_bias(ops.conv(
-                inputs, _models_into_axis(self.kernel, -1), **arguments)),
-                self.num_models)
+            outputs = self._unfold(self._add_folded_bias(ops.conv(
+                inputs, _models_into_axis(self.kernel, -1), **arguments)))
         elif self.shared_input:
             # On CPU, moving the model axis out of the wide output costs
             # more than B convolutions of the shared batch.
@@ -536,10 +570,9 @@ class FusedBaseConv(_FusedConvolution):
         elif grouped:
             # Model b's input channels form groups b*g .. b*g + g - 1 and
             # meet exactly its filters: one convolution, B * groups groups.
-            outputs = _unfold(self._add_folded_bias(ops.conv(
-                _fold(inputs, self.num_models),
-                _models_into_axis(self.kernel, -1), **arguments)),
-                self.num_models)
+            outputs = self._unfold(self._add_folded_bias(ops.conv(
+                self._fold(inputs), _models_into_axis(self.kernel, -1),
+                **arguments)))
         else:
             outputs = self._per_model(
                 lambda x, kernel: ops.conv(x, kernel, **arguments),
@@ -770,9 +803,9 @@ class FusedBaseConvTranspose(_FusedConvolution):
 
     def call(self, inputs):
         if _uses_grouped_kernel(self.implementation):
-            outputs = _unfold(self._add_folded_bias(_xla(
-                self._grouped_transpose, _fold(inputs, self.num_models),
-                _models_into_axis(self.kernel, -1))), self.num_models)
+            outputs = self._unfold(self._add_folded_bias(_xla(
+                self._grouped_transpose, self._fold(inputs),
+                _models_into_axis(self.kernel, -1))))
         else:
             outputs = self._per_model(
                 lambda x, kernel: ops.conv_transpose(
@@ -1008,10 +1041,9 @@ class FusedBaseDepthwiseConv(_FusedConvolution):
         # Folded channel b*C + c yields outputs (b*C + c)*M + m: model b's
         # C*M outputs in the stock order, side by side.
         outputs = ops.depthwise_conv(
-            _fold(inputs, self.num_models),
-            _models_into_axis(self.kernel, -2), **arguments)
-        return self._activate(_unfold(self._add_folded_bias(outputs),
-                                      self.num_models))
+            self._fold(inputs), _models_into_axis(self.kernel, -2),
+            **arguments)
+        return self._activate(self._unfold(self._add_folded_bias(outputs)))
 
     def compute_output_shape(self, input_shape):
         return self._fused_shape(compute_conv_output_shape(
@@ -1198,7 +1230,7 @@ class FusedBaseSeparableConv(_FusedConvolution):
                     x, depthwise, pointwise, **self._conv_arguments()),
                 inputs, self.depthwise_kernel, self.pointwise_kernel))
         depthwise = ops.depthwise_conv(
-            _fold(inputs, self.num_models),
+            self._fold(inputs),
             _models_into_axis(self.depthwise_kernel, -2),
             **self._conv_arguments())
         shape = ops.shape(depthwise)
@@ -1209,13 +1241,16 @@ class FusedBaseSeparableConv(_FusedConvolution):
             self.pointwise_kernel,
             (self.num_models, *self.pointwise_kernel.shape[-2:]))
         spatial = "xyz"[:self.rank]
+        models = "mn" if self.models_first else "nm"
         outputs = ops.einsum(
-            f"n{spatial}mi,mio->nm{spatial}o", depthwise, pointwise)
+            f"n{spatial}mi,mio->{models}{spatial}o", depthwise, pointwise)
         if self.bias is not None:
-            # [B, F] -> [B, 1, ..., 1, F]. `+`, not ops.add, whose TensorFlow
-            # bias_add shortcut picks the axis from the shapes alone.
+            # [B, F] -> [B, 1, ..., 1, F] (with the models first, [B, 1,
+            # 1, ..., 1, F]). `+`, not ops.add, whose TensorFlow bias_add
+            # shortcut picks the axis from the shapes alone.
             outputs = outputs + ops.reshape(
-                self.bias, (self.num_models, *(1,) * self.rank, -1))
+                self.bias, (self.num_models, *(1,) * (
+                    self.rank + self.models_first), -1))
         return self._activate(outputs)
 
     def compute_output_shape(self, input_shape):

@@ -5,7 +5,10 @@ dropout, pooling, reshapes, merges, ...) needs no fused implementation: the
 model axis is folded into the batch axis, the stock layer runs once on
 `[batch * B, ...]`, and the result is unfolded to `[batch, B, ...]`. Axis
 arguments of the stock layer keep their meaning, since the folded tensor has
-the stock rank.
+the stock rank. Activations with the models first, `[B, batch, ...]` (the
+layout `hftatf.fuse` keeps between per-model convolutions on a CPU), fold
+to `[B * batch, ...]` just as well; `SwapModelAxis` moves between the two
+layouts.
 """
 
 import keras
@@ -62,6 +65,12 @@ def unfold_model_axis(x, num_models):
     return ops.reshape(x, (-1, num_models, *ops.shape(x)[1:]))
 
 
+def unfold_to_models_first(x, num_models):
+    """`[B * batch, *s]` -> `[B, batch, *s]`: the fold of activations with
+    the models first, undone."""
+    return ops.reshape(x, (num_models, -1, *ops.shape(x)[1:]))
+
+
 def fold_models_first(x):
     """`[batch, B, *s]` -> `[B * batch, *s]`: the model axis moved first,
     then folded. Applied to the output of a product computed with the
@@ -88,22 +97,23 @@ def _stochastic_depth():
 UNSEEDED_RANDOM_LAYERS = (_stochastic_depth(),)
 
 
-def _fold_tensors(structure, name, num_models):
+def _fold_tensors(structure, name, num_models, models_first=False):
     """Folds every tensor of `structure` (checking its model axis: a wrong
     one would fold samples of different models together silently)."""
     def fold(x):
         if not _is_tensor(x):
             return x
-        check_model_axis(name, num_models, tuple(x.shape))
+        check_model_axis(name, num_models, tuple(x.shape),
+                         0 if models_first else 1)
         return fold_model_axis(x)
 
     return keras.tree.map_structure(fold, structure)
 
 
-def _unfold_tensors(structure, num_models):
+def _unfold_tensors(structure, num_models, models_first=False):
+    unfold = unfold_to_models_first if models_first else unfold_model_axis
     return keras.tree.map_structure(
-        lambda y: unfold_model_axis(y, num_models) if _is_tensor(y) else y,
-        structure)
+        lambda y: unfold(y, num_models) if _is_tensor(y) else y, structure)
 
 
 def _is_tensor(x):
@@ -141,16 +151,31 @@ class FusedFold(keras.layers.Wrapper):
         layer: the stock Keras layer. It must have no weights and must treat
             every sample independently.
         num_models: the number of models `B` in the array.
+        models_first: whether inputs, outputs and masks have the models
+            first, `[B, batch, ...]`, instead of `[batch, B, ...]`.
     """
 
-    def __init__(self, layer, num_models, **kwargs):
+    prefers_models_first = False
+
+    def __init__(self, layer, num_models, models_first=False, **kwargs):
         super().__init__(layer, **kwargs)
         self.num_models = check_num_models(num_models)
+        self.models_first = bool(models_first)
         self.supports_masking = getattr(layer, "supports_masking", False)
 
     @classmethod
-    def from_stock(cls, layer, num_models):
-        return cls(copy_layer(layer), num_models, name=layer.name)
+    def from_stock(cls, layer, num_models, models_first=False):
+        return cls(copy_layer(layer), num_models, models_first=models_first,
+                   name=layer.name)
+
+    @classmethod
+    def takes_models_first(cls, layer):
+        """Whether `hftatf.fuse` runs the stock `layer` with the models
+        first: deterministic layers that make no mask of their own. Random
+        ones keep the models second, so that each model draws what it draws
+        in an array of the other layout."""
+        return not (has_random_state(layer) or isinstance(
+            layer, (keras.layers.Lambda, keras.layers.Masking)))
 
     def build(self, input_shape):
         if not self.layer.built:
@@ -165,13 +190,20 @@ class FusedFold(keras.layers.Wrapper):
         self.built = True
 
     def _fold_shape(self, shape):
-        check_model_axis(self.name, self.num_models, shape)
-        batch = None if shape[0] is None else shape[0] * self.num_models
+        axis = 0 if self.models_first else 1
+        check_model_axis(self.name, self.num_models, shape, axis)
+        batch = shape[1 - axis]
+        batch = None if batch is None else batch * self.num_models
         return (batch, *shape[2:])
 
     def _unfold_shape(self, shape):
         batch = None if shape[0] is None else shape[0] // self.num_models
+        if self.models_first:
+            return (self.num_models, batch, *shape[1:])
         return (batch, self.num_models, *shape[1:])
+
+    def _unfold(self, structure):
+        return _unfold_tensors(structure, self.num_models, self.models_first)
 
     def call(self, inputs, training=None, mask=None):
         kwargs = {}
@@ -180,9 +212,9 @@ class FusedFold(keras.layers.Wrapper):
         if mask is not None and self.layer._call_has_mask_arg:
             kwargs["mask"] = keras.tree.map_structure(
                 lambda m: None if m is None else fold_model_axis(m), mask)
-        outputs = self.layer(
-            _fold_tensors(inputs, self.name, self.num_models), **kwargs)
-        return _unfold_tensors(outputs, self.num_models)
+        outputs = self.layer(_fold_tensors(
+            inputs, self.name, self.num_models, self.models_first), **kwargs)
+        return self._unfold(outputs)
 
     def compute_mask(self, inputs, mask=None):
         if not self.supports_masking and mask is None:
@@ -193,8 +225,7 @@ class FusedFold(keras.layers.Wrapper):
             keras.tree.map_structure(fold_model_axis, inputs), folded_mask)
         if folded is None:
             return None
-        return keras.tree.map_structure(
-            lambda m: unfold_model_axis(m, self.num_models), folded)
+        return self._unfold(folded)
 
     def compute_output_shape(self, input_shape):
         folded_input = keras.tree.map_shape_structure(
@@ -213,6 +244,8 @@ class FusedFold(keras.layers.Wrapper):
     def get_config(self):
         config = super().get_config()
         config["num_models"] = self.num_models
+        if self.models_first:
+            config["models_first"] = True
         return config
 
     @classmethod
@@ -226,31 +259,42 @@ class BroadcastToModels(keras.layers.Layer):
     """Gives every model of the array the same input batch.
 
     Layout: input `[batch, ...]` (shared by all models) -> output
-    `[batch, B, ...]`. No weights. `hftatf.fuse` inserts it where a shared
-    input first meets a layer that needs per-model activations; in the
-    backward pass the models' gradients are summed, as they should be for a
-    shared input.
+    `[batch, B, ...]` (`[B, batch, ...]` with `models_first=True`). No
+    weights. `hftatf.fuse` inserts it where a shared input first meets a
+    layer that needs per-model activations; in the backward pass the models'
+    gradients are summed, as they should be for a shared input.
     """
 
-    def __init__(self, num_models, **kwargs):
+    def __init__(self, num_models, models_first=False, **kwargs):
         super().__init__(**kwargs)
         self.num_models = check_num_models(num_models)
+        self.models_first = bool(models_first)
         self.supports_masking = True
 
+    def _repeat(self, tensor):
+        if self.models_first:
+            return ops.repeat(ops.expand_dims(tensor, 0), self.num_models,
+                              axis=0)
+        return repeat_for_models(tensor, self.num_models)
+
     def call(self, inputs):
-        return repeat_for_models(inputs, self.num_models)
+        return self._repeat(inputs)
 
     def compute_mask(self, inputs, mask=None):
         if mask is None:
             return None
-        return repeat_for_models(mask, self.num_models)
+        return self._repeat(mask)
 
     def compute_output_shape(self, input_shape):
+        if self.models_first:
+            return (self.num_models, *input_shape)
         return (input_shape[0], self.num_models, *input_shape[1:])
 
     def get_config(self):
         config = super().get_config()
         config["num_models"] = self.num_models
+        if self.models_first:
+            config["models_first"] = True
         return config
 
 
@@ -315,3 +359,28 @@ class UnfoldModelAxis(keras.layers.Layer):
         config = super().get_config()
         config["num_models"] = self.num_models
         return config
+
+
+@hftatf_export
+class SwapModelAxis(keras.layers.Layer):
+    """`[batch, B, ...]` <-> `[B, batch, ...]`: swaps the batch and model
+    axes (and those of a mask), moving activations into or out of the
+    models-first layout.
+
+    `hftatf.fuse` inserts it where a tensor with the models first meets a
+    layer that computes with them second (a Dense, a layer normalization,
+    an output of the array), or the reverse. No weights.
+    """
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, inputs):
+        return ops.swapaxes(inputs, 0, 1)
+
+    def compute_mask(self, inputs, mask=None):
+        return None if mask is None else ops.swapaxes(mask, 0, 1)
+
+    def compute_output_shape(self, input_shape):
+        return (input_shape[1], input_shape[0], *input_shape[2:])

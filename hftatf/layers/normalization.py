@@ -32,9 +32,9 @@ __all__ = [
 ]
 
 
-def stock_shape(shape):
+def stock_shape(shape, model_axis=1):
     """The stock layer's input shape: `shape` without its model axis."""
-    return (shape[0], *shape[2:])
+    return (shape[1 - model_axis], *shape[2:])
 
 
 def resolve_axis(layer_name, axis, ndim):
@@ -52,20 +52,22 @@ def fused_axis(axis):
     return axis if axis == 0 else axis + 1
 
 
-def to_model_broadcast(weight, stock_broadcast_shape):
-    """`[B, *w]` -> a tensor that broadcasts against `[batch, B, ...]`.
+def to_model_broadcast(weight, stock_broadcast_shape, model_axis=1):
+    """`[B, *w]` -> a tensor that broadcasts against `[batch, B, ...]`
+    (against `[B, batch, ...]` with `model_axis=0`).
 
     Each slice is reshaped as the stock layer reshapes its weight (to
     `stock_broadcast_shape`, a shape of the stock rank), then the model axis
-    is moved to 1.
+    is moved to `model_axis`.
     """
     per_model = ops.reshape(weight, (-1, *stock_broadcast_shape))
-    return ops.moveaxis(per_model, 0, 1)
+    return ops.moveaxis(per_model, 0, model_axis)
 
 
-def from_model_broadcast(statistic, weight_shape):
+def from_model_broadcast(statistic, weight_shape, model_axis=1):
     """Inverse of `to_model_broadcast`: keep-dims statistics -> `[B, *w]`."""
-    return ops.reshape(ops.moveaxis(statistic, 1, 0), (-1, *weight_shape))
+    return ops.reshape(ops.moveaxis(statistic, model_axis, 0),
+                       (-1, *weight_shape))
 
 
 def _rows(inputs, num_models):
@@ -122,6 +124,37 @@ def _channels_last_moments(inputs, num_models):
     return average, mean(ops.square(centred))
 
 
+def _models_first_rows(inputs, num_models):
+    """`[B, batch, *s, C]` -> `[B, batch * S, C]`: a reshape, no copy."""
+    return ops.reshape(inputs, (num_models, -1, ops.shape(inputs)[-1]))
+
+
+def _models_first_moments(inputs, num_models):
+    """`_channels_last_moments` of activations with the models first,
+    `[B, batch, *s, C]`: each model's rows are contiguous, and their sums
+    are one batched product with a row of ones (TensorFlow's CPU kernels
+    reduce a middle axis more slowly; XLA compiles the plain sums well)."""
+    if num_models == 1:
+        mean, variance = ops.moments(
+            ops.reshape(inputs, (-1, ops.shape(inputs)[-1])), axes=[0])
+        return mean[None], variance[None]
+    rows = _models_first_rows(inputs, num_models)
+    count = ops.shape(rows)[1]
+    xla = compiling_with_xla()
+
+    def mean(values):
+        if xla:
+            total = ops.sum(values, axis=1)
+        else:
+            total = ops.squeeze(ops.matmul(
+                ops.ones((1, count), values.dtype), values), 1)
+        return total / ops.cast(count, values.dtype)
+
+    average = mean(rows)
+    centred = rows - ops.expand_dims(ops.stop_gradient(average), 1)
+    return average, mean(ops.square(centred))
+
+
 class AffineNormalization(FusedLayer):
     """Base of the fused normalizations with a learned scale and offset.
 
@@ -169,8 +202,9 @@ class AffineNormalization(FusedLayer):
         return super().add_model_weight(*args, autocast=autocast, **kwargs)
 
     def _stock_input_shape(self, input_shape):
-        check_model_axis(self.name, self.num_models, input_shape)
-        return stock_shape(input_shape)
+        check_model_axis(self.name, self.num_models, input_shape,
+                         self.model_axis)
+        return stock_shape(input_shape, self.model_axis)
 
     def _add_affine_weights(self, shape, scale, center):
         if scale:
@@ -277,7 +311,22 @@ class FusedBatchNormalization(AffineNormalization):
         renorm_momentum, synchronized: as in
             `keras.layers.BatchNormalization`; initializers, regularizers and
             constraints act on each model's slice.
+        models_first: whether inputs, outputs and masks have the models
+            first, `[B, batch, ...]`.
     """
+
+    supports_models_first = True
+
+    @classmethod
+    def takes_models_first(cls, layer):
+        # Where the channels are last, each model's rows are contiguous with
+        # the models first: its moments are a reshape and a product away.
+        try:
+            ndim = len(layer.input.shape)
+        except (AttributeError, ValueError):
+            ndim = None
+        return layer.axis == -1 or (ndim is not None
+                                    and layer.axis == ndim - 1)
 
     def __init__(
         self,
@@ -349,8 +398,9 @@ class FusedBatchNormalization(AffineNormalization):
                 f"have a known size. Received input shape "
                 f"{tuple(input_shape)}.")
         self._channel_axis = fused_axis(axis)
-        self._reduction_axes = [a for a in range(len(input_shape))
-                                if a not in (1, self._channel_axis)]
+        self._reduction_axes = [
+            a for a in range(len(input_shape))
+            if a not in (self.model_axis, self._channel_axis)]
         self._stock_broadcast_shape = [1] * len(shape)
         self._stock_broadcast_shape[axis] = channels
         weight_shape = (channels,)
@@ -379,7 +429,8 @@ class FusedBatchNormalization(AffineNormalization):
                 initializer=moving_stddev_initializer, trainable=False)
         self.input_spec = keras.layers.InputSpec(
             ndim=len(input_shape),
-            axes={1: self.num_models, self._channel_axis: channels})
+            axes={self.model_axis: self.num_models,
+                  self._channel_axis: channels})
 
     def call(self, inputs, training=None, mask=None):
         if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
@@ -415,7 +466,8 @@ class FusedBatchNormalization(AffineNormalization):
         return ops.cast(outputs, self.compute_dtype)
 
     def _broadcast(self, value):
-        return to_model_broadcast(value, self._stock_broadcast_shape)
+        return to_model_broadcast(value, self._stock_broadcast_shape,
+                                  self.model_axis)
 
     def _channels_last(self, inputs):
         return self._channel_axis == len(inputs.shape) - 1
@@ -430,6 +482,11 @@ class FusedBatchNormalization(AffineNormalization):
         if self._channels_last(inputs) and self.num_models == 1:
             outputs = _stock_rows(inputs) * inv[0] + shift[0]
             return ops.reshape(outputs, ops.shape(inputs))
+        if self._channels_last(inputs) and self.models_first:
+            rows = _models_first_rows(inputs, self.num_models)
+            outputs = (rows * ops.expand_dims(inv, 1)
+                       + ops.expand_dims(shift, 1))
+            return ops.reshape(outputs, ops.shape(inputs))
         if self._channels_last(inputs):
             rows = _rows(inputs, self.num_models)
             outputs = (rows * _per_sample(inv, rows)
@@ -442,6 +499,8 @@ class FusedBatchNormalization(AffineNormalization):
         axes = self._reduction_axes
         if mask is None and not self.synchronized and self._channels_last(
                 inputs):
+            if self.models_first:
+                return _models_first_moments(inputs, self.num_models)
             return _channels_last_moments(inputs, self.num_models)
         if mask is None:
             mean, variance = ops.moments(
@@ -458,8 +517,9 @@ class FusedBatchNormalization(AffineNormalization):
             variance = ops.sum(squares, axes, keepdims=True) / (
                 count + keras.backend.epsilon())
         weight_shape = tuple(self.moving_mean.shape[1:])
-        return (from_model_broadcast(mean, weight_shape),
-                from_model_broadcast(variance, weight_shape))
+        return (from_model_broadcast(mean, weight_shape, self.model_axis),
+                from_model_broadcast(variance, weight_shape,
+                                     self.model_axis))
 
     def _renorm_correction(self, mean, variance):
         """The batch renormalization corrections `(r, d)`, `[B, C]` each."""

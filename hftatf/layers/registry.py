@@ -55,20 +55,37 @@ def takes_shared_input(layer):
             layer)
 
 
-def fuse_layer(layer, num_models, shared_input=False):
+def takes_models_first(layer):
+    """Whether the fused form of `layer` can compute on activations with
+    the models first (`fuse_layer(..., models_first=True)`)."""
+    return is_supported(layer) and getattr(
+        _FUSED_FORMS[type(layer)], "takes_models_first", lambda _: False)(
+            layer)
+
+
+def fuse_layer(layer, num_models, shared_input=False, models_first=False):
     """Returns the fused form of the stock `layer` (weights not copied).
 
     With `shared_input`, the fused layer takes the input batch all models
     share (`[batch, ...]`, no model axis); only layers that
-    `takes_shared_input` can.
+    `takes_shared_input` can. With `models_first`, its activations have the
+    models first (`[B, batch, ...]`; outputs only, with `shared_input`);
+    only layers that `takes_models_first` can.
     """
-    if not shared_input:
-        return fused_form(layer).from_stock(layer, num_models)
-    if not takes_shared_input(layer):
+    if shared_input and not takes_shared_input(layer):
         raise ValueError(
             f"Layer '{layer.name}' ({type(layer).__name__}) has no fused form "
             "that takes a shared input.")
-    return fused_form(layer).from_stock(layer, num_models, shared_input=True)
+    if models_first and not takes_models_first(layer):
+        raise ValueError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) has no fused form "
+            "that computes with the models first.")
+    kwargs = {}
+    if shared_input:
+        kwargs["shared_input"] = True
+    if models_first:
+        kwargs["models_first"] = True
+    return fused_form(layer).from_stock(layer, num_models, **kwargs)
 
 
 def supported_layers():

@@ -1,0 +1,227 @@
+"""Activations with the models first: `[B, batch, ...]` between the
+convolutions of an array (`hftatf.fuse(..., layout="models_first")`, the
+default on a CPU), against stock layers and the `[batch, B, ...]` layout."""
+
+import collections
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+from testing import assert_close, compare_layer_with_stock, stacked_weights
+
+import hftatf
+from hftatf import layers as fused_layers
+
+B = 3
+
+
+class ModelsFirst(keras.layers.Layer):
+    """Runs a fused layer built with `models_first=True` on `[batch, B,
+    ...]` inputs, so the stock oracle can feed it as it feeds any other."""
+
+    def __init__(self, layer, **kwargs):
+        super().__init__(**kwargs)
+        self.layer = layer
+
+    def build(self, input_shape):
+        self.layer.build((input_shape[1], input_shape[0], *input_shape[2:]))
+
+    def call(self, inputs, **kwargs):
+        return ops.swapaxes(self.layer(ops.swapaxes(inputs, 0, 1), **kwargs),
+                            0, 1)
+
+
+def _stock_and_fused(stock_class, shape, rng, **config):
+    stock = [stock_class(**config) for _ in range(B)]
+    for layer in stock:
+        layer.build(shape)
+        layer.set_weights([rng.standard_normal(w.shape).astype("float32")
+                           if "variance" not in w.path else
+                           rng.uniform(0.5, 2.0, w.shape).astype("float32")
+                           for w in layer.weights])
+    form = fused_layers.registry.fused_form(stock[0])
+    fused = form.from_stock(stock[0], B, models_first=True)
+    wrapped = ModelsFirst(fused)
+    wrapped.build((shape[0], B, *shape[1:]))
+    fused.set_weights(stacked_weights(stock))
+    return stock, wrapped
+
+
+def registry_fused(layer, models_first):
+    return fused_layers.registry.fuse_layer(layer, B,
+                                            models_first=models_first)
+
+
+@pytest.mark.parametrize("stock_class, shape, config", [
+    (keras.layers.Conv2D, (4, 6, 6, 3), dict(filters=5, kernel_size=3)),
+    (keras.layers.Conv2D, (4, 6, 6, 4),
+     dict(filters=4, kernel_size=3, groups=2, strides=2, padding="same")),
+    (keras.layers.Conv1D, (4, 7, 3),
+     dict(filters=2, kernel_size=3, padding="causal", activation="relu")),
+    (keras.layers.DepthwiseConv2D, (4, 6, 6, 3),
+     dict(kernel_size=3, depth_multiplier=2)),
+    (keras.layers.SeparableConv2D, (4, 6, 6, 3),
+     dict(filters=4, kernel_size=3, padding="same")),
+    (keras.layers.Conv2DTranspose, (4, 5, 5, 3),
+     dict(filters=2, kernel_size=3, strides=2)),
+])
+@pytest.mark.parametrize("implementation", ["per_model", "grouped"])
+def test_convolutions_with_models_first_compute_as_stock(
+        stock_class, shape, config, implementation):
+    rng = np.random.default_rng(0)
+    if implementation == "grouped":
+        if stock_class in (keras.layers.DepthwiseConv2D,
+                           keras.layers.SeparableConv2D):
+            pytest.skip("depthwise kernels follow the device, not an "
+                        "argument")
+        config = dict(config)
+    stock, wrapped = _stock_and_fused(stock_class, shape, rng, **config)
+    if hasattr(wrapped.layer, "implementation"):
+        wrapped.layer.implementation = implementation
+    x = rng.standard_normal((shape[0], B, *shape[1:])).astype("float32")
+    compare_layer_with_stock(stock, wrapped, [x], rng)
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 5, 4), (6, 7, 4), (4, 3, 3, 3, 2)])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("jit", [False, True])
+def test_batch_normalization_with_models_first_computes_as_stock(
+        shape, training, jit):
+    import tensorflow as tf
+
+    rng = np.random.default_rng(1)
+    stock, wrapped = _stock_and_fused(
+        keras.layers.BatchNormalization, shape, rng, momentum=0.9,
+        epsilon=1e-3)
+    x = (rng.standard_normal((shape[0], B, *shape[1:])) * 3 + 1).astype(
+        "float32")
+    if not jit:
+        compare_layer_with_stock(stock, wrapped, [x], rng, training=training)
+        return
+    # Under XLA the moments are plain sums, not the fused kernels.
+    before = wrapped.get_weights()
+    compiled = tf.function(lambda v: wrapped(v, training=training),
+                           jit_compile=True)
+    outputs = compiled(tf.constant(x)).numpy()
+    after = wrapped.get_weights()
+    wrapped.set_weights(before)
+    eager = wrapped(x, training=training).numpy()
+    assert_close(outputs, eager)
+    for value, value_eager in zip(after, wrapped.get_weights()):
+        assert_close(value, value_eager)
+
+
+def test_batch_normalization_over_another_axis_and_with_a_mask():
+    rng = np.random.default_rng(2)
+    # Axis 1 of [batch, 4, 3]: the general path, with the models first.
+    stock, wrapped = _stock_and_fused(
+        keras.layers.BatchNormalization, (5, 4, 3), rng, axis=1)
+    x = rng.standard_normal((5, B, 4, 3)).astype("float32")
+    compare_layer_with_stock(stock, wrapped, [x], rng, training=True)
+    stock, wrapped = _stock_and_fused(
+        keras.layers.BatchNormalization, (5, 4, 3), rng)
+    mask = rng.uniform(size=(5, B, 4)) > 0.3
+    before = wrapped.layer.get_weights()
+    masked = wrapped.layer(ops.swapaxes(x, 0, 1), training=True,
+                           mask=ops.swapaxes(mask, 0, 1))
+    for b, layer in enumerate(stock):
+        assert_close(ops.swapaxes(masked, 0, 1)[:, b],
+                     layer(x[:, b], training=True, mask=mask[:, b]))
+        for value, value_b in zip(wrapped.layer.get_weights(),
+                                  layer.get_weights()):
+            assert_close(value[b], value_b)
+    assert not all(np.array_equal(u, v) for u, v in zip(
+        before, wrapped.layer.get_weights()))
+
+
+def resnet_block_model():
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.ReLU()(x)
+    shortcut = x
+    x = keras.layers.Conv2D(4, 3, padding="same")(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.Add()([x, shortcut])
+    x = keras.layers.Activation("relu")(x)
+    x = keras.layers.DepthwiseConv2D(3, padding="same")(x)
+    x = keras.layers.ZeroPadding2D(1)(x)
+    x = keras.layers.MaxPooling2D()(x)
+    x = keras.layers.Dropout(0.25, seed=1)(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(3, activation="softmax")(x)
+    return keras.Model(inputs, outputs)
+
+
+def _layouts(array):
+    return collections.Counter(
+        (type(layer).__name__, getattr(layer, "models_first", False))
+        for layer in array.layers)
+
+
+def test_fuse_keeps_the_models_first_from_convolution_to_dropout():
+    array = hftatf.fuse(resnet_block_model(), B, layout="models_first")
+    layouts = _layouts(array)
+    assert layouts[("FusedConv2D", True)] == 2
+    assert layouts[("FusedBatchNormalization", True)] == 2
+    assert layouts[("FusedDepthwiseConv2D", True)] == 1
+    # ReLU, Add, Activation, ZeroPadding2D, MaxPooling2D.
+    assert layouts[("FusedFold", True)] == 5
+    # Dropout draws with the models second, then pooling follows it.
+    assert layouts[("FusedFold", False)] == 2
+    assert layouts[("FusedDense", False)] == 1
+    # One swap back, before the dropout; none anywhere else.
+    assert layouts[("SwapModelAxis", False)] == 1
+    batch_first = hftatf.fuse(resnet_block_model(), B, layout="batch_first")
+    assert not any(getattr(layer, "models_first", False)
+                   for layer in batch_first.layers)
+    assert "SwapModelAxis" not in {type(layer).__name__
+                                   for layer in batch_first.layers}
+
+
+def test_models_first_array_trains_saves_and_unfuses_as_batch_first():
+    model = resnet_block_model()
+    first = hftatf.fuse(model, B, layout="models_first")
+    second = hftatf.fuse(model, B, layout="batch_first")
+    second.set_weights(first.get_weights())
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, 16)
+    assert_close(first.predict(x, verbose=0), second.predict(x, verbose=0))
+    for array in (first, second):
+        array.compile(optimizer=hftatf.optimizers.SGD(learning_rate=0.1),
+                      loss="sparse_categorical_crossentropy")
+        # The dropout draws with the models second in both layouts, from
+        # the same seed: the same masks.
+        array.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    for ours, theirs in zip(first.get_weights(), second.get_weights()):
+        assert_close(ours, theirs)
+    predictions = first.predict(x, verbose=0)
+    unfused = first.unfuse()
+    for b in range(B):
+        assert_close(unfused[b].predict(x, verbose=0), predictions[:, b])
+
+
+def test_models_first_array_round_trips_through_keras_files(tmp_path):
+    array = hftatf.fuse(resnet_block_model(), B, layout="models_first")
+    x = np.random.default_rng(5).standard_normal((4, 8, 8, 3)).astype(
+        "float32")
+    path = tmp_path / "array.keras"
+    array.save(path)
+    loaded = keras.models.load_model(path)
+    assert _layouts(loaded) == _layouts(array)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0),
+                                  array.predict(x, verbose=0))
+
+
+def test_fuse_refuses_an_unknown_layout():
+    with pytest.raises(ValueError, match="layout"):
+        hftatf.fuse(resnet_block_model(), B, layout="channels_first")
+
+
+def test_layers_refuse_models_first_where_they_cannot():
+    with pytest.raises(ValueError, match="models_first"):
+        fused_layers.FusedDense(B, 3, models_first=True)
+    with pytest.raises(ValueError, match="models first"):
+        registry_fused(keras.layers.Dense(3), models_first=True)
