@@ -57,8 +57,9 @@ def fuse(model, num_models, shared_inputs=True, name=None,
             any other layer; `"auto"` (the default), models first on a CPU,
             where convolutions run per model and their per-model slices
             of `[B, batch, ...]` are views, not copies, and batch first on
-            a GPU or TPU. The array's inputs and outputs are the same in
-            every layout, and so is what each model computes.
+            a GPU or TPU and for one model. The array's inputs and
+            outputs are the same in every layout, and so is what each
+            model computes.
 
     Returns:
         A `FusedModel` whose outputs are `[batch, B, ...]`.
@@ -68,7 +69,9 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         raise ValueError(
             f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}.")
     if layout == "auto":
-        layout = "batch_first" if runs_on_accelerator() else "models_first"
+        # One model's activations are laid out alike either way.
+        layout = ("batch_first" if num_models == 1 or runs_on_accelerator()
+                  else "models_first")
     _check_fusable(model)
     structure = _input_structure(model)
     inputs = keras.tree.flatten(structure)

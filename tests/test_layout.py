@@ -225,3 +225,17 @@ def test_layers_refuse_models_first_where_they_cannot():
         fused_layers.FusedDense(B, 3, models_first=True)
     with pytest.raises(ValueError, match="models first"):
         registry_fused(keras.layers.Dense(3), models_first=True)
+
+
+def test_auto_layout_has_the_models_first_on_a_cpu_for_two_models_or_more():
+    # This suite runs on a CPU.
+    def models_first(array):
+        return any(getattr(layer, "models_first", False)
+                   for layer in array.layers)
+
+    assert models_first(hftatf.fuse(resnet_block_model(), 2))
+    # One model's activations are laid out alike either way: no swaps.
+    single = hftatf.fuse(resnet_block_model(), 1)
+    assert not models_first(single)
+    assert not any(isinstance(layer, hftatf.layers.SwapModelAxis)
+                   for layer in single.layers)
