@@ -144,8 +144,9 @@ class _Walker:
     def __init__(self, num_models, models_first=False):
         self.num_models = num_models
         self.models_first = models_first
-        self._shared = {}  # id(tensor) -> (tensor, is shared)
-        self._first = {}  # id(tensor) -> (tensor, has the models first)
+        # id(tensor) -> (tensor, is shared, has the models first); the
+        # tensor is kept so that its id is not reused.
+        self._layout_of = {}
         self._swapped = {}  # id(tensor) -> (tensor, axes 0 and 1 swapped)
         self._layouts = {}  # id(stock layer) -> models first
         self._feeds_models_first = {}  # id(stock layer) -> bool
@@ -172,21 +173,21 @@ class _Walker:
     def _mark(self, outputs, shared, first=False):
         for tensor in keras.tree.flatten(outputs):
             if isinstance(tensor, keras.KerasTensor):
-                self._shared[id(tensor)] = (tensor, shared)
-                self._first[id(tensor)] = (tensor, first)
+                self._layout_of[id(tensor)] = (tensor, shared, first)
 
     def _is_shared(self, tensor):
-        return self._shared.get(id(tensor), (None, False))[1]
+        return self._layout_of.get(id(tensor), (None, False, False))[1]
 
     def _has_models_first(self, tensor):
-        return self._first.get(id(tensor), (None, False))[1]
+        return self._layout_of.get(id(tensor), (None, False, False))[2]
 
     def _swap(self, tensor):
         """`tensor` with its batch and model axes swapped, once per
         tensor; swapping back returns `tensor` itself."""
         if id(tensor) not in self._swapped:
-            swapped = SwapModelAxis()(tensor)
-            self._mark(swapped, False, not self._has_models_first(tensor))
+            first = not self._has_models_first(tensor)
+            swapped = SwapModelAxis(models_first=first)(tensor)
+            self._mark(swapped, False, first)
             self._swapped[id(tensor)] = (tensor, swapped)
             self._swapped[id(swapped)] = (swapped, tensor)
         return self._swapped[id(tensor)][1]

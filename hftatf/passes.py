@@ -40,8 +40,6 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from hftatf.layers.fold import SwapModelAxis
-
 # Assumed when the system does not say (a common server CPU's L3).
 DEFAULT_CACHE_BYTES = 32 * 2**20
 # Assumed when the training step's batch size is not static.
@@ -76,8 +74,7 @@ def activation_bytes_per_model(array, batch_size):
         for node in getattr(layer, "_inbound_nodes", ()):
             for tensor in keras.tree.flatten(node.output_tensors):
                 shape = tuple(tensor.shape)[1:]
-                if getattr(layer, "models_first", False) or isinstance(
-                        layer, SwapModelAxis) and shape[:1] == (None,):
+                if getattr(layer, "models_first", False):
                     shape = shape[1:]  # [B, batch, ...]: one model's slice
                 elif shape and shape[0] == array.num_models:
                     shape = shape[1:]  # [batch, B, ...]: one model's slice

@@ -12,6 +12,7 @@ from testing import assert_close, compare_layer_with_stock, stacked_weights
 
 import hftatf
 from hftatf import layers as fused_layers
+from hftatf import passes
 
 B = 3
 
@@ -75,7 +76,6 @@ def test_convolutions_with_models_first_compute_as_stock(
                            keras.layers.SeparableConv2D):
             pytest.skip("depthwise kernels follow the device, not an "
                         "argument")
-        config = dict(config)
     stock, wrapped = _stock_and_fused(stock_class, shape, rng, **config)
     if hasattr(wrapped.layer, "implementation"):
         wrapped.layer.implementation = implementation
@@ -239,3 +239,21 @@ def test_auto_layout_has_the_models_first_on_a_cpu_for_two_models_or_more():
     assert not models_first(single)
     assert not any(isinstance(layer, hftatf.layers.SwapModelAxis)
                    for layer in single.layers)
+
+
+def test_activation_bytes_count_one_model_in_either_layout():
+    inputs = keras.Input((6, 6, 2))
+    x = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(3)(x)
+    model = keras.Model(inputs, outputs)
+    batch_first = hftatf.fuse(model, B, layout="batch_first")
+    first = hftatf.fuse(model, B, layout="models_first")
+    # Per sample and model: the shared input, the convolution's and the
+    # pooling's outputs and the logits; with the models first, also the
+    # pooled features swapped back before the dense layer.
+    per_sample = 4 * (6 * 6 * 2 + 6 * 6 * 4 + 4 + 3)
+    assert passes.activation_bytes_per_model(batch_first, 10) == (
+        10 * per_sample)
+    assert passes.activation_bytes_per_model(first, 10) == (
+        10 * (per_sample + 4 * 4))

@@ -11,7 +11,7 @@ import tensorflow as tf
 from keras import ops
 from tensorflow.python.ops import control_flow_util
 
-from hftatf.validation import check_num_models
+from hftatf.validation import check_num_models, model_axis_of
 
 
 def model_initializers(initializer, num_models):
@@ -164,7 +164,7 @@ class FusedLayer(keras.layers.Layer):
     def model_axis(self):
         """The model axis of this layer's activations: 0 with the models
         first, else 1."""
-        return 0 if self.models_first else 1
+        return model_axis_of(self.models_first)
 
     @classmethod
     def takes_models_first(cls, layer):

@@ -140,25 +140,27 @@ def _xla(function, *args):
 # -- The model axis and the channel axis -----------------------------------
 
 
-def _fold(inputs, num_models):
-    """`[batch, B, *spatial, C]` -> `[batch, *spatial, B * C]`, model `b`'s
-    channels at `b * C : (b + 1) * C`."""
+def _fold(inputs, num_models, model_axis=1):
+    """`[batch, B, *spatial, C]` (or `[B, batch, *spatial, C]` for
+    `model_axis=0`) -> `[batch, *spatial, B * C]`, model `b`'s channels at
+    `b * C : (b + 1) * C`."""
     if num_models == 1:
         # Moving an axis of size one is a reshape: no transpose to pay.
-        return ops.squeeze(inputs, 1)
-    inputs = ops.moveaxis(inputs, 1, -2)
+        return ops.squeeze(inputs, model_axis)
+    inputs = ops.moveaxis(inputs, model_axis, -2)
     shape = ops.shape(inputs)
     return ops.reshape(inputs, (-1, *shape[1:-2], num_models * shape[-1]))
 
 
-def _unfold(outputs, num_models):
-    """`[batch, *spatial, B * F]` -> `[batch, B, *spatial, F]`."""
+def _unfold(outputs, num_models, model_axis=1):
+    """`[batch, *spatial, B * F]` -> `[batch, B, *spatial, F]` (or
+    `[B, batch, *spatial, F]` for `model_axis=0`)."""
     if num_models == 1:
-        return ops.expand_dims(outputs, 1)
+        return ops.expand_dims(outputs, model_axis)
     shape = ops.shape(outputs)
     outputs = ops.reshape(
         outputs, (-1, *shape[1:-1], num_models, shape[-1] // num_models))
-    return ops.moveaxis(outputs, -2, 1)
+    return ops.moveaxis(outputs, -2, model_axis)
 
 
 def _models_into_axis(kernel, axis):
@@ -349,21 +351,12 @@ class _FusedConvolution(FusedLayer):
     def _fold(self, inputs):
         """The input folded for one kernel over all models: `[batch,
         *spatial, B * C]`, from either layout."""
-        if self.models_first and self.num_models > 1:
-            inputs = ops.swapaxes(inputs, 0, 1)
-        elif self.models_first:
-            inputs = ops.reshape(inputs, (-1, 1, *ops.shape(inputs)[2:]))
-        return _fold(inputs, self.num_models)
+        return _fold(inputs, self.num_models, self.model_axis)
 
     def _unfold(self, outputs):
         """Folded outputs `[batch, *spatial, B * F]` in this layer's
         layout."""
-        outputs = _unfold(outputs, self.num_models)
-        if not self.models_first:
-            return outputs
-        if self.num_models == 1:
-            return ops.reshape(outputs, (1, -1, *ops.shape(outputs)[2:]))
-        return ops.swapaxes(outputs, 0, 1)
+        return _unfold(outputs, self.num_models, self.model_axis)
 
     def _add_folded_bias(self, outputs):
         """Adds the bias to outputs folded as `[batch, *spatial, B * F]`:

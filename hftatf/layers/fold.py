@@ -17,7 +17,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import repeat_for_models
-from hftatf.validation import check_model_axis, check_num_models
+from hftatf.validation import check_model_axis, check_num_models, model_axis_of
 
 # Stock layers without weights that treat every sample on its own.
 PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
@@ -104,7 +104,7 @@ def _fold_tensors(structure, name, num_models, models_first=False):
         if not _is_tensor(x):
             return x
         check_model_axis(name, num_models, tuple(x.shape),
-                         0 if models_first else 1)
+                         model_axis_of(models_first))
         return fold_model_axis(x)
 
     return keras.tree.map_structure(fold, structure)
@@ -190,7 +190,7 @@ class FusedFold(keras.layers.Wrapper):
         self.built = True
 
     def _fold_shape(self, shape):
-        axis = 0 if self.models_first else 1
+        axis = model_axis_of(self.models_first)
         check_model_axis(self.name, self.num_models, shape, axis)
         batch = shape[1 - axis]
         batch = None if batch is None else batch * self.num_models
@@ -370,11 +370,19 @@ class SwapModelAxis(keras.layers.Layer):
     `hftatf.fuse` inserts it where a tensor with the models first meets a
     layer that computes with them second (a Dense, a layer normalization,
     an output of the array), or the reverse. No weights.
+
+    Args:
+        models_first: the layout of the output: True for `[B, batch, ...]`
+            (moving into the models-first layout), False for `[batch, B,
+            ...]`, None where not known (the swap is the same either way;
+            `hftatf.passes` reads it to size one model's activations).
     """
 
-    def __init__(self, **kwargs):
+    def __init__(self, models_first=None, **kwargs):
         super().__init__(**kwargs)
         self.supports_masking = True
+        self.models_first = None if models_first is None else bool(
+            models_first)
 
     def call(self, inputs):
         return ops.swapaxes(inputs, 0, 1)
@@ -384,3 +392,9 @@ class SwapModelAxis(keras.layers.Layer):
 
     def compute_output_shape(self, input_shape):
         return (input_shape[1], input_shape[0], *input_shape[2:])
+
+    def get_config(self):
+        config = super().get_config()
+        if self.models_first is not None:
+            config["models_first"] = self.models_first
+        return config

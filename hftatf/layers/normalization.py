@@ -78,8 +78,9 @@ def _rows(inputs, num_models):
 
 
 def _stock_rows(inputs):
-    """One model's `[batch, 1, *s, C]` -> `[batch * S, C]`: the stock
-    layer's reductions and broadcasts, a reshape away."""
+    """One model's `[batch, 1, *s, C]` (or `[1, batch, *s, C]`, the same
+    memory) -> `[batch * S, C]`: the stock layer's reductions and
+    broadcasts, a reshape away."""
     return ops.reshape(inputs, (-1, ops.shape(inputs)[-1]))
 
 
@@ -134,10 +135,6 @@ def _models_first_moments(inputs, num_models):
     `[B, batch, *s, C]`: each model's rows are contiguous, and their sums
     are one batched product with a row of ones (TensorFlow's CPU kernels
     reduce a middle axis more slowly; XLA compiles the plain sums well)."""
-    if num_models == 1:
-        mean, variance = ops.moments(
-            ops.reshape(inputs, (-1, ops.shape(inputs)[-1])), axes=[0])
-        return mean[None], variance[None]
     rows = _models_first_rows(inputs, num_models)
     count = ops.shape(rows)[1]
     xla = compiling_with_xla()
@@ -499,7 +496,7 @@ class FusedBatchNormalization(AffineNormalization):
         axes = self._reduction_axes
         if mask is None and not self.synchronized and self._channels_last(
                 inputs):
-            if self.models_first:
+            if self.models_first and self.num_models > 1:
                 return _models_first_moments(inputs, self.num_models)
             return _channels_last_moments(inputs, self.num_models)
         if mask is None:
