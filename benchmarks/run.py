@@ -135,6 +135,11 @@ def parse_args(argv):
                              "<output_dir>/results.csv (a run split into "
                              "several invocations, e.g. with other flags "
                              "per model); the table and plots show all")
+    parser.add_argument("--report_only", action="store_true",
+                        help="measure nothing: print the table of "
+                             "<output_dir>/results.csv and redraw its "
+                             "results.md and plots (e.g. after installing "
+                             "matplotlib)")
     parser.add_argument("--quick", action="store_true",
                         help="a small run: short epochs, and B in 1,2,4 "
                              "unless --num_models says otherwise")
@@ -562,6 +567,12 @@ def main(argv=None):
           f"{os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}",
           flush=True)
+    if args.report_only:
+        rows = read_csv(directory / "results.csv")
+        if not rows:
+            raise SystemExit(
+                f"--report_only: no results in {directory / 'results.csv'}.")
+        return report(rows, directory)
     rows = []
     if args.append:
         rows = [row for row in read_csv(directory / "results.csv")
@@ -570,6 +581,11 @@ def main(argv=None):
         rows.extend(benchmark_model(args, name))
         # Written as it goes: a long run that dies keeps what it measured.
         write_csv(rows, directory / "results.csv")
+    return report(rows, directory)
+
+
+def report(rows, directory):
+    """Prints the table of `rows` and writes its plots and results.md."""
     print_table(rows)
     peaks = [row["matmul_peak_gflop_per_s"] for row in rows
              if row.get("matmul_peak_gflop_per_s")]
@@ -578,7 +594,7 @@ def main(argv=None):
     for path in plot(rows, directory):
         print(f"wrote {path}")
     (directory / "results.md").write_text(markdown_table(rows))
-    print(f"wrote {directory / 'results.csv'} and results.md")
+    print(f"wrote {directory / 'results.md'}")
     return rows
 
 

@@ -416,7 +416,8 @@ class FusedModel(keras.Model):
                 pass. `"auto"`: one pass, except on a CPU in a step compiled
                 with XLA or for an array without convolutions, where a pass
                 holds as many models as fit their activations in the
-                last-level cache (at least one): there arrays of large
+                cache share of the cores it runs on (at most 4 MiB per
+                core; at least one model): there arrays of large
                 models train faster one model at a time
                 (benchmarks/README.md). Evaluation and prediction always
                 run in one pass.

@@ -24,8 +24,9 @@ of the work changes. Per kind of state:
 `compile(models_per_pass="auto")` (the default) uses passes only where they
 were measured to pay (`benchmarks/README.md`): on a CPU, in a step compiled
 with XLA or for an array without convolutions (with or without XLA), a pass
-holds as many models as fit their activations together in the last-level
-cache, at least one. Everywhere else the array is one pass,
+holds as many models as fit their activations together in the cache
+(the last-level cache's share of the cores the process runs on), at least
+one. Everywhere else the array is one pass,
 and so it is where no array of fewer models can be built from the array's
 config (a subclass whose constructor takes more than its config holds).
 Evaluation and prediction run in one pass: passes measured no faster
@@ -33,6 +34,7 @@ there.
 """
 
 import glob
+import os
 import re
 
 import keras
@@ -42,6 +44,12 @@ from keras import ops
 
 # Assumed when the system does not say (a common server CPU's L3).
 DEFAULT_CACHE_BYTES = 32 * 2**20
+# The most cache one core is credited with. Server CPUs have 1.5-4 MiB of
+# last-level cache per core (a few cache-stacked parts more), but a virtual
+# machine may report its host's whole L3 as shared by its few cores alone
+# (480 MiB for 2 cores, measured): the share of a process's cores is what
+# its passes can count on.
+MAX_CACHE_BYTES_PER_CORE = 4 * 2**20
 # Assumed when the training step's batch size is not static.
 DEFAULT_BATCH_SIZE = 32
 
@@ -62,6 +70,20 @@ def last_level_cache_bytes():
         if match:
             sizes.append(int(match.group(1)) * _UNITS[match.group(2)])
     return max(sizes, default=DEFAULT_CACHE_BYTES)
+
+
+def usable_cores():
+    """The number of CPU cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def cache_bytes():
+    """The cache the models of one pass can share: the last-level cache,
+    at most `MAX_CACHE_BYTES_PER_CORE` per core this process may use."""
+    return min(last_level_cache_bytes(),
+               usable_cores() * MAX_CACHE_BYTES_PER_CORE)
 
 
 def activation_bytes_per_model(array, batch_size):
@@ -87,11 +109,11 @@ def activation_bytes_per_model(array, batch_size):
 
 def auto_models_per_pass(array, batch_size):
     """Models per pass for `models_per_pass="auto"` where it uses passes:
-    as many as fit their activations in the last-level cache, at least
-    one, at most all."""
+    as many as fit their activations in the cache (`cache_bytes`), at
+    least one, at most all."""
     per_model = activation_bytes_per_model(
         array, batch_size or DEFAULT_BATCH_SIZE)
-    fitting = last_level_cache_bytes() // max(per_model, 1)
+    fitting = cache_bytes() // max(per_model, 1)
     return int(min(array.num_models, max(1, fitting)))
 
 

@@ -3,6 +3,8 @@
 The oracle: B stock models trained with stock `fit` on model b's slice of
 everything, and the same array trained in one pass."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -218,3 +220,15 @@ def test_auto_keeps_one_pass_where_no_pass_array_can_be_built(monkeypatch):
     array.compile("sgd", loss=LOSS, jit_compile=True, models_per_pass=1)
     with pytest.raises(TypeError, match="constructor argument"):
         array.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+def test_cache_is_the_share_of_the_cores_the_process_uses(monkeypatch):
+    # A virtual machine of 2 cores reporting its host's whole L3 as its own.
+    monkeypatch.setattr(passes, "last_level_cache_bytes", lambda: 480 * 2**20)
+    monkeypatch.setattr(passes, "usable_cores", lambda: 2)
+    assert passes.cache_bytes() == 2 * passes.MAX_CACHE_BYTES_PER_CORE
+    monkeypatch.setattr(passes, "last_level_cache_bytes", lambda: 2**20)
+    assert passes.cache_bytes() == 2**20
+    monkeypatch.undo()
+    assert 1 <= passes.usable_cores() <= os.cpu_count()
+    assert 0 < passes.cache_bytes() <= passes.last_level_cache_bytes()

@@ -217,3 +217,24 @@ def test_smoke_run_writes_a_well_formed_csv(tmp_path):
         return
     assert (tmp_path / "speedup_mlp.png").stat().st_size > 0
     assert (tmp_path / "speedup.png").stat().st_size > 0
+
+
+def test_report_only_redraws_from_the_csv_without_measuring(tmp_path,
+                                                            monkeypatch):
+    args = ["--report_only", "--output_dir", str(tmp_path)]
+    with pytest.raises(SystemExit, match="no results"):
+        run.main(args)
+    rows = [{"model": "mlp", "mode": mode, "num_models": 2,
+             "samples_per_s": value, "speedup": value / 10.0}
+            for mode, value in (("serial", 10.0), ("fused", 25.0))]
+    run.write_csv(rows, tmp_path / "results.csv")
+
+    def measure(*args, **kwargs):
+        raise AssertionError("--report_only measured")
+
+    monkeypatch.setattr(run, "benchmark_model", measure)
+    assert [r["samples_per_s"] for r in run.main(args)] == [10.0, 25.0]
+    markdown = (tmp_path / "results.md").read_text().splitlines()
+    assert [line.split(" | ")[:2] for line in markdown[2:]] == [
+        ["| mlp", "2"]]
+    assert "2.50" in markdown[2]
