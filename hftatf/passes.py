@@ -73,10 +73,15 @@ def last_level_cache_bytes():
 
 
 def usable_cores():
-    """The number of CPU cores this process may run on."""
+    """The number of CPU cores this process's operations run on: those it
+    may run on, at most TensorFlow's intra-op threads where they are set
+    (`tf.config.threading.set_intra_op_parallelism_threads`)."""
     if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    threads = tf.config.threading.get_intra_op_parallelism_threads()
+    return max(1, min(cores, threads) if threads > 0 else cores)
 
 
 def cache_bytes():

@@ -8,6 +8,7 @@ import os
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from testing import assert_close
 
 import hftatf
@@ -189,8 +190,6 @@ def test_cache_size_is_read_from_the_system():
 
 
 def test_pass_gradients_are_joined_on_the_model_axis():
-    import tensorflow as tf
-
     dense = passes.concat_gradients(
         [np.ones((2, 3), "float32"), 2 * np.ones((1, 3), "float32")],
         [0, 2], (3, 3))
@@ -231,4 +230,10 @@ def test_cache_is_the_share_of_the_cores_the_process_uses(monkeypatch):
     assert passes.cache_bytes() == 2**20
     monkeypatch.undo()
     assert 1 <= passes.usable_cores() <= os.cpu_count()
+    # A process told to use one thread for each operation has one core's
+    # share.
+    monkeypatch.setattr(tf.config.threading,
+                        "get_intra_op_parallelism_threads", lambda: 1)
+    assert passes.usable_cores() == 1
+    monkeypatch.undo()
     assert 0 < passes.cache_bytes() <= passes.last_level_cache_bytes()
