@@ -33,8 +33,8 @@ class ModelsFirst(keras.layers.Layer):
                             0, 1)
 
 
-def _stock_and_fused(stock_class, shape, rng, **config):
-    stock = [stock_class(**config) for _ in range(B)]
+def _stock_and_fused(stock_class, shape, rng, num_models=B, **config):
+    stock = [stock_class(**config) for _ in range(num_models)]
     for layer in stock:
         layer.build(shape)
         layer.set_weights([rng.standard_normal(w.shape).astype("float32")
@@ -42,9 +42,9 @@ def _stock_and_fused(stock_class, shape, rng, **config):
                            rng.uniform(0.5, 2.0, w.shape).astype("float32")
                            for w in layer.weights])
     form = fused_layers.registry.fused_form(stock[0])
-    fused = form.from_stock(stock[0], B, models_first=True)
+    fused = form.from_stock(stock[0], num_models, models_first=True)
     wrapped = ModelsFirst(fused)
-    wrapped.build((shape[0], B, *shape[1:]))
+    wrapped.build((shape[0], num_models, *shape[1:]))
     fused.set_weights(stacked_weights(stock))
     return stock, wrapped
 
@@ -81,6 +81,26 @@ def test_convolutions_with_models_first_compute_as_stock(
         wrapped.layer.implementation = implementation
     x = rng.standard_normal((shape[0], B, *shape[1:])).astype("float32")
     compare_layer_with_stock(stock, wrapped, [x], rng)
+
+
+@pytest.mark.parametrize("stock_class, config, implementation", [
+    (keras.layers.Conv2D, dict(filters=5, kernel_size=3, padding="same"),
+     "per_model"),
+    (keras.layers.Conv2D, dict(filters=5, kernel_size=3, padding="same"),
+     "grouped"),
+    (keras.layers.BatchNormalization, dict(momentum=0.9), None),
+])
+def test_one_model_with_models_first_computes_as_stock(stock_class, config,
+                                                       implementation):
+    # [1, batch, ...]: the model axis squeezed and restored on axis 0.
+    rng = np.random.default_rng(3)
+    shape = (4, 6, 6, 3)
+    stock, wrapped = _stock_and_fused(stock_class, shape, rng, num_models=1,
+                                      **config)
+    if implementation is not None:
+        wrapped.layer.implementation = implementation
+    x = rng.standard_normal((shape[0], 1, *shape[1:])).astype("float32")
+    compare_layer_with_stock(stock, wrapped, [x], rng, training=True)
 
 
 @pytest.mark.parametrize("shape", [(6, 5, 5, 4), (6, 7, 4), (4, 3, 3, 3, 2)])
