@@ -254,10 +254,10 @@ def _sum_gradients(parts):
     return ops.sum(ops.stack(parts), axis=0) if parts else None
 
 
-def _pass_values(values, roles, start, stop):
-    """Values for the pass of models `start:stop`: the slices of those that
-    carry the model axis, the others whole."""
-    return [value[start:stop] if sliced else value
+def _pass_values(values, roles, start, count):
+    """Values for the pass of models `start:start + count`: the slices of
+    those that carry the model axis, the others whole."""
+    return [passes.take_models(value, start, count) if sliced else value
             for value, sliced in zip(values, roles)]
 
 
@@ -666,7 +666,12 @@ class FusedModel(keras.Model):
                 y, y_pred, sample_weight, index, pred, training=training)
             loss = None
             if self._model_losses is not None:
-                loss = self._model_losses[index](labels, pred, weights)
+                # Inside a loop over passes, `index` is a tensor: the
+                # models' compiled losses compute alike (they differ only
+                # in the per-output trackers that such loops avoid).
+                loss = self._model_losses[
+                    index if isinstance(index, int) else 0](
+                        labels, pred, weights)
             losses.append(ops.zeros(()) if loss is None else loss)
         losses = ops.stack(losses)
         count = len(preds)
@@ -811,65 +816,176 @@ class FusedModel(keras.Model):
     def _forward_and_gradients_in_passes(self, x, y, sample_weight,
                                          per_pass):
         """`_forward_and_gradients`, computed `per_pass` models at a time,
-        one pass after the other (see `hftatf.passes`)."""
+        one pass after the other (see `hftatf.passes`).
+
+        Where three or more passes have `per_pass` models, the first is
+        traced on its own and the others run as one `tf.while_loop` over a
+        pass traced once (`passes.looped_passes`), so that the step's graph,
+        and its compile time, do not grow with the number of passes."""
         B = self.num_models
         trainable = self.trainable_variables
         states = self.non_trainable_variables
         # Read once; each pass takes its slices.
         values = [v.value for v in trainable]
         carried = [v.value for v in states]
-        preds, losses = [], []
-        gradients = [[] for _ in trainable]
-        updates = [[] for _ in states]
-        previous = []
         spans = passes.bounds(B, per_pass)
-        for start, stop in spans:
-            model, (trainable_roles, state_roles) = self._pass_model(
-                stop - start)
-            # The next pass starts when the last one is done, so that one
+        _, (trainable_roles, state_roles) = self._pass_model(per_pass)
+        looped = passes.looped_passes(spans) if self._loops_passes() else 0
+        parts = []  # (start, predictions, losses, gradients, sliced state)
+        previous = []
+        if looped:
+            first, carried = self._one_pass(0, per_pass, x, y, sample_weight,
+                                            values, carried)
+            part, carried = self._looped_passes(
+                looped, per_pass, first, x, y, sample_weight, values,
+                carried)
+            parts.append(part)
+            previous = passes.pass_outputs(part)
+        for start, stop in spans[looped:]:
+            part, carried = self._one_pass(
+                start, stop - start, x, y, sample_weight, values, carried,
+                previous)
+            parts.append(part)
+            # The next pass starts when this one is done, so that one
             # pass's activations are live at a time.
-            with tf.control_dependencies(previous):
-                inputs = [tf.identity(t) if shared else t[:, start:stop]
-                          for t, shared in zip(keras.tree.flatten(x),
-                                               self._shared_inputs)]
-            inputs = keras.tree.pack_sequence_as(x, inputs)
-            weights = _pass_values(values, trainable_roles, start, stop)
-            state = _pass_values(carried, state_roles, start, stop)
-            with tf.GradientTape() as tape:
-                tape.watch(weights)
-                y_pred, state, added = model.stateless_call(
-                    weights, state, inputs, training=True,
-                    return_losses=True)
-                pass_losses = self._losses_of_models(
-                    range(start, stop), y, y_pred, sample_weight, added,
-                    training=True)
-                loss = self.optimizer.scale_model_losses(ops.concatenate([
-                    ops.zeros((start,), pass_losses.dtype), pass_losses,
-                    ops.zeros((B - stop,), pass_losses.dtype)]))
-            pass_gradients = tape.gradient(loss, weights) if weights else []
-            for collected, gradient in zip(gradients, pass_gradients):
-                collected.append(gradient)
-            for index, (value, sliced) in enumerate(zip(state, state_roles)):
-                if sliced:
-                    updates[index].append(value)
-                else:
-                    carried[index] = value
-            preds.append(y_pred)
-            losses.append(pass_losses)
-            previous = [g for g in keras.tree.flatten(pass_gradients)
-                        if g is not None] + [pass_losses]
-        for variable, value, parts in zip(states, carried, updates):
-            variable.assign(ops.concatenate(parts, axis=0) if parts
-                            else value)
-        starts = [start for start, _ in spans]
+            previous = passes.pass_outputs(part)
+        starts, preds, losses, gradients, updates = zip(*parts)
+        for number, (variable, value) in enumerate(zip(states, carried)):
+            sliced = [u[number] for u in updates]
+            variable.assign(ops.concatenate(sliced, axis=0)
+                            if state_roles[number] else value)
         gradients = [
-            passes.concat_gradients(parts, starts, variable.shape)
-            if sliced else _sum_gradients(parts)
-            for variable, parts, sliced in zip(trainable, gradients,
-                                               trainable_roles)]
+            passes.concat_gradients(list(g), starts, variable.shape)
+            if sliced else _sum_gradients(g)
+            for variable, sliced, g in zip(trainable, trainable_roles,
+                                           zip(*gradients))]
         y_pred = keras.tree.map_structure(
-            lambda *parts: passes.concat_models(list(parts)), *preds)
+            lambda *p: passes.concat_models(list(p)), *preds)
         return y_pred, ops.concatenate(losses, axis=0), gradients
+
+    def _loops_passes(self):
+        """Whether the step runs its passes of equal size as a loop
+        (`passes.looped_passes`): where it is compiled with XLA, which then
+        compiles one pass instead of each, and its passes draw few random
+        numbers (`passes.MAX_RANDOM_SHARE`): XLA's CPU code for random
+        draws inside such a step measured 5x slower for Transformers with
+        dropout (benchmarks/README.md). Not for arrays of several outputs:
+        a loop's passes share one compiled loss, so they cannot update each
+        model's own per-output loss trackers."""
+        return bool((self.jit_compile is True or self._replica_jit_compile)
+                    and len(keras.tree.flatten(self.outputs)) == 1
+                    and passes.random_share(self) <= passes.MAX_RANDOM_SHARE)
+
+    def _one_pass(self, start, count, x, y, sample_weight, values, carried,
+                  previous=()):
+        """Forward and backward pass of the models `start:start + count`
+        (`start` a Python int, or a tensor inside a loop over passes).
+
+        Returns `(start, predictions, losses, gradients, sliced_state)`,
+        where `gradients` holds a `[count, ...]` gradient for each weight
+        with the model axis and the whole gradient for the others, and
+        `sliced_state` the updated slices of the per-model state (the
+        others' entries None); and `carried`, the state with the
+        pass's updates of the state without a model axis."""
+        model, (trainable_roles, state_roles) = self._pass_model(count)
+        with tf.control_dependencies(previous):
+            inputs = [tf.identity(t) if shared else
+                      passes.take_models(t, start, count, axis=1)
+                      for t, shared in zip(keras.tree.flatten(x),
+                                           self._shared_inputs)]
+        inputs = keras.tree.pack_sequence_as(x, inputs)
+        weights = _pass_values(values, trainable_roles, start, count)
+        state = _pass_values(carried, state_roles, start, count)
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            y_pred, state, added = model.stateless_call(
+                weights, state, inputs, training=True, return_losses=True)
+            losses = self._losses_of_models(
+                [start + k for k in range(count)], y, y_pred, sample_weight,
+                added, training=True)
+            loss = self.optimizer.scale_model_losses(
+                passes.spread_losses(losses, start, self.num_models))
+        gradients = tape.gradient(loss, weights) if weights else []
+        sliced = [value if role else None
+                  for value, role in zip(state, state_roles)]
+        carried = [old if role else new for old, new, role in zip(
+            carried, state, state_roles)]
+        return (start, y_pred, losses, gradients, sliced), carried
+
+    def _looped_passes(self, num_passes, count, first, x, y,
+                       sample_weight, values, carried):
+        """The first `num_passes` passes of `count` models each, joined
+        into one part as `_one_pass` returns it: `first` (the first pass,
+        traced before) and a `tf.while_loop` over the others, one at a time
+        (`parallel_iterations` of 1). `first` gives the dtypes and shapes
+        that every pass writes at its index of a `tf.TensorArray`: its
+        predictions (models first, with their logits where Keras keeps
+        them), losses, per-model gradients (dense) and per-model state."""
+        _, first_preds, _, first_gradients, first_state = first
+        _, (trainable_roles, state_roles) = self._pass_model(count)
+        num_outputs = len(keras.tree.flatten(first_preds))
+        logits = [getattr(t, "_keras_logits", None) is not None
+                  for t in keras.tree.flatten(first_preds)]
+
+        def written(part):
+            """What a pass writes, and its gradients of the weights all
+            models share (summed over the passes)."""
+            _, preds, losses, gradients, sliced = part
+            flat = keras.tree.flatten(preds)
+            gradients = [None if g is None else tf.convert_to_tensor(g)
+                         for g in gradients]
+            return ([passes.models_first(t) for t in flat]
+                    + [passes.models_first(t._keras_logits)
+                       for t, has in zip(flat, logits) if has]
+                    + [losses]
+                    + [g for g, role in zip(gradients, trainable_roles)
+                       if role and g is not None]
+                    + [s for s in sliced if s is not None]), [
+                        g for g, role in zip(gradients, trainable_roles)
+                        if not role and g is not None]
+
+        outputs, sums = written(first)
+        arrays = [passes.stacked(t, num_passes).write(0, t)
+                  for t in outputs]
+        shared_state = [c for c, role in zip(carried, state_roles)
+                        if not role]
+
+        def body(i, arrays, sums, shared_state):
+            shared = iter(shared_state)
+            now = [value if role else next(shared)
+                   for value, role in zip(carried, state_roles)]
+            part, now = self._one_pass(i * count, count, x, y,
+                                       sample_weight, values, now)
+            outputs, added = written(part)
+            arrays = [a.write(i, t) for a, t in zip(arrays, outputs)]
+            sums = [s + a for s, a in zip(sums, added)]
+            shared_state = [c for c, role in zip(now, state_roles)
+                            if not role]
+            return i + 1, arrays, sums, shared_state
+
+        # Starts when the first pass is done.
+        with tf.control_dependencies(passes.pass_outputs(first)):
+            start = tf.identity(tf.constant(1, "int32"))
+        _, arrays, sums, shared_state = tf.while_loop(
+            lambda i, *_: i < num_passes, body,
+            (start, arrays, sums, shared_state), parallel_iterations=1,
+            maximum_iterations=num_passes - 1)
+        arrays = iter([passes.joined(a) for a in arrays])
+        flat = [passes.batch_first(next(arrays)) for _ in range(num_outputs)]
+        for t, has in zip(flat, logits):
+            if has:
+                passes.keep_logits(t, passes.batch_first(next(arrays)))
+        losses = next(arrays)
+        sums = iter(sums)
+        gradients = [None if g is None else next(arrays) if role
+                     else next(sums)
+                     for g, role in zip(first_gradients, trainable_roles)]
+        sliced = [None if s is None else next(arrays) for s in first_state]
+        shared_state = iter(shared_state)
+        carried = [value if role else next(shared_state)
+                   for value, role in zip(carried, state_roles)]
+        preds = keras.tree.pack_sequence_as(first_preds, flat)
+        return (0, preds, losses, gradients, sliced), carried
 
     def model_state(self):
         """A snapshot of the per-model state the forward pass updates

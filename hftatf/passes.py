@@ -21,6 +21,19 @@ of the work changes. Per kind of state:
   pass, so every pass draws fresh randomness, as B separate jobs would;
 * the optimizer step: one, after the last pass, for the whole array.
 
+The passes are traced one after the other, so a step's graph grows with
+their number, and so does the time XLA takes to compile it. Where a step is
+compiled with XLA, three or more passes of the same size run instead as one
+`tf.while_loop` over a pass traced once (`looped_passes`): the first pass
+is traced on its own, and its outputs give the dtypes and shapes that every
+pass writes at its index of a `tf.TensorArray`; a shorter last pass is
+traced after the loop. Not where a pass draws many random numbers
+(`random_share` above `MAX_RANDOM_SHARE`): XLA's CPU code recomputes the
+seed's hash for every random number drawn inside such a loop, which made
+Transformer arrays with dropout 5x slower. Without XLA the loop measured
+no faster per step (0.97-0.98x for a Transformer, 1.00-1.02x for PointNet),
+so passes stay traced one by one there.
+
 `compile(models_per_pass="auto")` (the default) uses passes only where they
 were measured to pay (`benchmarks/README.md`): on a CPU, in a step compiled
 with XLA or for an array without convolutions (with or without XLA), a pass
@@ -50,6 +63,12 @@ DEFAULT_CACHE_BYTES = 32 * 2**20
 # (480 MiB for 2 cores, measured): the share of a process's cores is what
 # its passes can count on.
 MAX_CACHE_BYTES_PER_CORE = 4 * 2**20
+# The largest share of a model's activations drawn at random (dropout,
+# noise) for which a step compiled with XLA loops over its passes: XLA's
+# CPU code for random draws inside such a loop measured 5x slower for
+# Transformers with dropout (15-20% of their activations), while PointNet
+# (0.03%: dropout in its classifier only) trained 1.13x faster.
+MAX_RANDOM_SHARE = 0.01
 # Assumed when the training step's batch size is not static.
 DEFAULT_BATCH_SIZE = 32
 
@@ -91,13 +110,16 @@ def cache_bytes():
                usable_cores() * MAX_CACHE_BYTES_PER_CORE)
 
 
-def activation_bytes_per_model(array, batch_size):
+def activation_bytes_per_model(array, batch_size, layers=None):
     """Bytes of the layer outputs one model of `array` produces (or reads,
     for tensors all models share) in a forward pass of `batch_size`
     samples: the working set a training step keeps per model for its
-    backward pass."""
+    backward pass. `layers`, a predicate, counts only the outputs of the
+    layers it accepts."""
     total = 0
     for layer in array._flatten_layers(include_self=False):
+        if layers is not None and not layers(layer):
+            continue
         for node in getattr(layer, "_inbound_nodes", ()):
             for tensor in keras.tree.flatten(node.output_tensors):
                 shape = tuple(tensor.shape)[1:]
@@ -110,6 +132,23 @@ def activation_bytes_per_model(array, batch_size):
                 total += int(np.prod(shape)) * np.dtype(
                     tensor.dtype).itemsize
     return total * batch_size
+
+
+def draws_random_numbers(layer):
+    """Whether `layer`, or a layer inside it, draws random numbers."""
+    from hftatf.layers.fold import has_random_state
+
+    return any(has_random_state(inner)
+               for inner in layer._flatten_layers(include_self=True))
+
+
+def random_share(array):
+    """The share of one model's activations (`activation_bytes_per_model`)
+    that layers drawing random numbers output: about how many random
+    numbers a pass draws for each value it computes."""
+    total = activation_bytes_per_model(array, 1)
+    drawn = activation_bytes_per_model(array, 1, draws_random_numbers)
+    return drawn / max(total, 1)
 
 
 def auto_models_per_pass(array, batch_size):
@@ -176,16 +215,102 @@ def variable_roles(full, part, count):
     return roles
 
 
+def looped_passes(spans):
+    """How many of the passes in `spans`, from the first, a training step
+    runs as one loop (0 for none): those with as many models as the first,
+    where there are at least three. The first is traced on its own before
+    the loop (its outputs give the dtypes and shapes the loop writes), so
+    a loop over fewer would trace as much as the passes themselves."""
+    count = spans[0][1] - spans[0][0]
+    same = 0
+    while same < len(spans) and spans[same][1] - spans[same][0] == count:
+        same += 1
+    return same if same >= 3 else 0
+
+
+def pass_outputs(part):
+    """The tensors a pass (`FusedModel._one_pass`) ends with: its losses
+    and gradients, for the next pass to wait on."""
+    _, _, losses, gradients, _ = part
+    return [g for g in gradients if g is not None] + [losses]
+
+
+def take_models(tensor, start, count, axis=0):
+    """`tensor`'s models `start:start + count` on `axis`. `start` is a
+    Python int, or a scalar tensor inside a loop over passes, where the
+    slice keeps its static size."""
+    if isinstance(start, int):
+        index = (slice(None),) * axis + (slice(start, start + count),)
+        return tensor[index]
+    rank = len(tensor.shape)
+    begin = tf.stack([tf.cast(start, tf.int32) if d == axis else 0
+                      for d in range(rank)])
+    size = [count if d == axis else -1 for d in range(rank)]
+    return tf.slice(tensor, begin, size)
+
+
+def spread_losses(losses, start, num_models):
+    """The `[num_models]` vector holding a pass's `[count]` losses at its
+    models' places and zeros elsewhere, for the optimizer's per-model loss
+    scaling."""
+    count = losses.shape[0]
+    if isinstance(start, int):
+        return ops.concatenate([
+            ops.zeros((start,), losses.dtype), losses,
+            ops.zeros((num_models - start - count,), losses.dtype)])
+    indices = tf.reshape(tf.cast(start, tf.int32) + tf.range(count), (-1, 1))
+    return tf.scatter_nd(indices, losses, (num_models,))
+
+
+def stacked(template, num_passes):
+    """A `tf.TensorArray` for one tensor like `template` per pass."""
+    return tf.TensorArray(template.dtype, size=num_passes,
+                          element_shape=template.shape)
+
+
+def joined(array):
+    """The passes' tensors in `array` (`stacked`) joined on their first
+    axis: `[n, count, ...]` becomes `[n * count, ...]` (one copy)."""
+    joined = array.stack()
+    shape = tf.shape(joined)
+    merged = tf.reshape(joined, tf.concat([[-1], shape[2:]], axis=0))
+    static = joined.shape
+    models = (None if static[0] is None or static[1] is None
+              else static[0] * static[1])
+    merged.set_shape(tf.TensorShape([models]).concatenate(static[2:]))
+    return merged
+
+
+def models_first(tensor):
+    """`[batch, k, ...]` as `[k, batch, ...]` (a reshape for one model)."""
+    if tensor.shape[1] == 1:
+        return ops.expand_dims(ops.squeeze(tensor, 1), 0)
+    return ops.swapaxes(tensor, 0, 1)
+
+
+def batch_first(tensor):
+    """`[B, batch, ...]` as `[batch, B, ...]`: one transpose, which
+    `FusedModel` cancels where it takes each model's slice."""
+    return tf.transpose(tensor, (1, 0, *range(2, len(tensor.shape))))
+
+
+def keep_logits(tensor, logits):
+    """Attaches the logits Keras caches on softmax and sigmoid outputs."""
+    try:
+        tensor._keras_logits = logits
+    except AttributeError:
+        pass
+
+
 def concat_models(parts):
     """Joins the passes' `[batch, k, ...]` outputs on the model axis,
     keeping the logits Keras caches on softmax and sigmoid outputs."""
+    if len(parts) == 1:
+        return parts[0]
     joined = ops.concatenate(parts, axis=1)
     logits = [getattr(p, "_keras_logits", None) for p in parts]
     if all(t is not None for t in logits):
-        try:
-            joined._keras_logits = ops.concatenate(logits, axis=1)
-        except AttributeError:
-            pass
+        keep_logits(joined, ops.concatenate(logits, axis=1))
     return joined
 
 

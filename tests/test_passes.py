@@ -237,3 +237,117 @@ def test_cache_is_the_share_of_the_cores_the_process_uses(monkeypatch):
     assert passes.usable_cores() == 1
     monkeypatch.undo()
     assert 0 < passes.cache_bytes() <= passes.last_level_cache_bytes()
+
+
+def traced_passes(monkeypatch):
+    """The first model of each pass a training step traces (a tensor for
+    the pass a loop over passes traces once)."""
+    starts = []
+    original = hftatf.FusedModel._one_pass
+
+    def tracing(self, start, *args, **kwargs):
+        starts.append(start)
+        return original(self, start, *args, **kwargs)
+
+    monkeypatch.setattr(hftatf.FusedModel, "_one_pass", tracing)
+    return starts
+
+
+def tagger(vocabulary=11):
+    """Token ids in, a softmax over 3 classes out: an embedding (whose
+    gradient Keras gives as slices of rows), moving statistics, a weight
+    regularizer, and the logits Keras keeps on a softmax output."""
+    ids = keras.Input((4,), dtype="int32", name="ids")
+    h = keras.layers.Embedding(vocabulary, 6, name="embed")(ids)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    h = keras.layers.Dense(8, activation="relu", name="h",
+                           kernel_regularizer=keras.regularizers.L2(0.01))(h)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    outputs = keras.layers.Dense(3, activation="softmax", name="out")(h)
+    return keras.Model(ids, outputs)
+
+
+def test_equal_passes_under_xla_run_as_one_loop(monkeypatch):
+    # 7 models in passes of 2: the first pass traced, the next two as one
+    # loop, the last model on its own; every model computes what it
+    # computes in one pass.
+    num_models, rng = 7, np.random.default_rng(1)
+    x = rng.integers(0, 11, (N, 4)).astype("int32")
+    y = rng.integers(0, 3, (N, num_models)).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    initial = hftatf.fuse(tagger(), num_models).get_weights()
+
+    def train(models_per_pass):
+        array = hftatf.fuse(tagger(), num_models)
+        array.set_weights(initial)
+        array.compile(optimizer=hftatf.optimizers.Adam(0.01), loss=loss,
+                      metrics=["sparse_categorical_crossentropy"],
+                      jit_compile=True, models_per_pass=models_per_pass)
+        history = array.fit(x, y, batch_size=BATCH, epochs=2,
+                            shuffle=False, verbose=0).history
+        return array, history
+
+    starts = traced_passes(monkeypatch)
+    array, history = train(2)
+    # Each trace of the step (Keras may trace it more than once) traces
+    # three passes for four.
+    assert starts and len(starts) % 3 == 0, starts
+    for first, looped, last in zip(*[iter(starts)] * 3):
+        assert first == 0 and tf.is_tensor(looped) and last == 6, starts
+    monkeypatch.undo()
+    reference, expected = train(None)
+    for ours, theirs in zip(array.weights, reference.weights):
+        assert_close(ours, theirs, err_msg=theirs.path)
+    for name, values in expected.items():
+        assert_close(history[name], values, err_msg=name)
+
+
+def multi_output():
+    x = keras.Input((5,), name="x")
+    h = keras.layers.Dense(8, activation="tanh")(x)
+    return keras.Model(x, [keras.layers.Dense(3, name="a")(h),
+                           keras.layers.Dense(3, name="b")(h)])
+
+
+@pytest.mark.parametrize("builder, jit_compile", [
+    (network, False),  # Traced pass by pass without XLA.
+    (lambda: network(dropout=0.5), True),  # Random draws under XLA.
+    (multi_output, True)])  # Each model's per-output loss trackers.
+def test_passes_are_traced_one_by_one_where_a_loop_does_not_pay(
+        monkeypatch, builder, jit_compile):
+    x, y, _ = data()
+    array = hftatf.fuse(builder(), B)
+    labels = y if len(array.outputs) == 1 else (y, y)
+    array.compile("sgd", loss=LOSS, jit_compile=jit_compile,
+                  models_per_pass=1)
+    starts = traced_passes(monkeypatch)
+    array.fit(x, labels, batch_size=BATCH, epochs=1, verbose=0)
+    assert starts and starts == list(range(B)) * (len(starts) // B)
+
+
+def test_random_share_counts_the_outputs_of_layers_that_draw():
+    # Per sample and model: input 5, dense 8, normalization 8, dropout 8,
+    # output 3.
+    array = hftatf.fuse(network(dropout=0.5), B)
+    assert passes.random_share(array) == 8 / (5 + 8 + 8 + 8 + 3)
+    assert passes.random_share(hftatf.fuse(network(), B)) == 0
+
+
+def test_a_loop_over_passes_joins_their_outputs():
+    passes_ = tf.TensorArray(tf.float32, size=3, element_shape=(2, 4))
+    for i in range(3):
+        passes_ = passes_.write(i, tf.fill((2, 4), float(i)))
+    joined = passes.joined(passes_)
+    assert joined.shape == (6, 4)
+    np.testing.assert_array_equal(joined.numpy()[:, 0], [0, 0, 1, 1, 2, 2])
+    batch_first = tf.reshape(tf.range(24.0), (4, 2, 3))  # [batch, k, ...]
+    np.testing.assert_array_equal(
+        passes.batch_first(passes.models_first(batch_first)), batch_first)
+    assert passes.looped_passes(passes.bounds(7, 2)) == 3
+    assert passes.looped_passes(passes.bounds(5, 2)) == 0
+    assert passes.looped_passes(passes.bounds(3, 1)) == 3
+    losses = passes.spread_losses(tf.constant([1.0, 2.0]), tf.constant(3), 6)
+    np.testing.assert_array_equal(losses, [0, 0, 0, 1, 2, 0])
+    np.testing.assert_array_equal(
+        passes.take_models(tf.reshape(tf.range(12), (2, 6)), tf.constant(2),
+                           3, axis=1), [[2, 3, 4], [8, 9, 10]])
