@@ -153,7 +153,11 @@ def parse_args(argv):
 
         args.model = ",".join(recipes.names())
     args.models = [m for m in args.model.split(",") if m]
-    args.num_models = [int(b) for b in args.num_models.split(",") if b]
+    try:
+        args.num_models = [int(b) for b in args.num_models.split(",") if b]
+    except ValueError:
+        parser.error(f"--num_models must be a comma list of integers: "
+                     f"{args.num_models!r}")
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:

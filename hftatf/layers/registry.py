@@ -38,12 +38,19 @@ def fused_form(layer):
         return _FUSED_FORMS[type(layer)]
     except KeyError:
         supported = ", ".join(sorted(c.__name__ for c in _FUSED_FORMS))
+        name = type(layer).__name__
+        hint = ""
+        if layer.built and not layer.weights:
+            hint = (f" A layer without weights that computes each sample on "
+                    f"its own fuses by folding the models into the batch: "
+                    f"hftatf.layers.registry.register({name})("
+                    "hftatf.layers.FusedFold).")
         raise ValueError(
             f"hftatf cannot fuse layer '{layer.name}' of class "
-            f"{type(layer).__module__}.{type(layer).__name__}: it has no fused "
+            f"{type(layer).__module__}.{name}: it has no fused "
             f"form. Supported layers: {supported}. Write this part of the "
             "model with hftatf.layers directly, or register a fused form "
-            "with hftatf.layers.registry.register."
+            f"with hftatf.layers.registry.register.{hint}"
         ) from None
 
 

@@ -97,6 +97,14 @@ def test_parse_args_rejects_unknown_modes():
         run.parse_args(["--modes", "serial,parallel"])
 
 
+@pytest.mark.parametrize("value", ["0", "2,-1", "two", "1.5"])
+def test_parse_args_rejects_array_sizes_it_cannot_train(value, capsys):
+    with pytest.raises(SystemExit):
+        run.parse_args(["--num_models", value])
+    assert "--num_models must be" in capsys.readouterr().err
+    assert run.parse_args(["--num_models", "1,8"]).num_models == [1, 8]
+
+
 def test_parse_args_reads_models_per_pass():
     assert run.parse_args([]).models_per_pass == "auto"
     assert run.parse_args(["--models_per_pass", "2"]).models_per_pass == 2

@@ -37,6 +37,17 @@ def test_unsupported_layer_is_named_in_the_error(layer, class_name):
         registry.fuse_layer(layer, 2)
 
 
+@pytest.mark.parametrize("layer, foldable", [
+    (UserReLU(name="my_relu"), True), (UserDense(4, name="my_dense"), False)])
+def test_built_layer_without_weights_is_told_how_to_fold(layer, foldable):
+    layer(np.zeros((2, 3), "float32"))
+    with pytest.raises(ValueError) as error:
+        registry.fused_form(layer)
+    folding = (f"registry.register({type(layer).__name__})"
+               "(hftatf.layers.FusedFold)")
+    assert (folding in str(error.value)) == foldable
+
+
 def test_supported_layers():
     supported = registry.supported_layers()
     assert keras.layers.Dense in supported
