@@ -193,10 +193,7 @@ def _model_slices(tensor, num_models):
     if logits is not None:
         for sliced, sliced_logits in zip(
                 slices, _unstack_models(logits, num_models)):
-            try:
-                sliced._keras_logits = sliced_logits
-            except AttributeError:
-                pass
+            passes.keep_logits(sliced, sliced_logits)
     return slices
 
 
@@ -923,7 +920,6 @@ class FusedModel(keras.Model):
         them), losses, per-model gradients (dense) and per-model state."""
         _, first_preds, _, first_gradients, first_state = first
         _, (trainable_roles, state_roles) = self._pass_model(count)
-        num_outputs = len(keras.tree.flatten(first_preds))
         logits = [getattr(t, "_keras_logits", None) is not None
                   for t in keras.tree.flatten(first_preds)]
 
@@ -932,17 +928,17 @@ class FusedModel(keras.Model):
             models share (summed over the passes)."""
             _, preds, losses, gradients, sliced = part
             flat = keras.tree.flatten(preds)
-            gradients = [None if g is None else tf.convert_to_tensor(g)
-                         for g in gradients]
+            gradients = [(g if g is None else tf.convert_to_tensor(g), role)
+                         for g, role in zip(gradients, trainable_roles)]
+            per_model = [g for g, role in gradients
+                         if role and g is not None]
+            shared = [g for g, role in gradients
+                      if not role and g is not None]
             return ([passes.models_first(t) for t in flat]
                     + [passes.models_first(t._keras_logits)
                        for t, has in zip(flat, logits) if has]
-                    + [losses]
-                    + [g for g, role in zip(gradients, trainable_roles)
-                       if role and g is not None]
-                    + [s for s in sliced if s is not None]), [
-                        g for g, role in zip(gradients, trainable_roles)
-                        if not role and g is not None]
+                    + [losses] + per_model
+                    + [s for s in sliced if s is not None]), shared
 
         outputs, sums = written(first)
         arrays = [passes.stacked(t, num_passes).write(0, t)
@@ -971,7 +967,8 @@ class FusedModel(keras.Model):
             (start, arrays, sums, shared_state), parallel_iterations=1,
             maximum_iterations=num_passes - 1)
         arrays = iter([passes.joined(a) for a in arrays])
-        flat = [passes.batch_first(next(arrays)) for _ in range(num_outputs)]
+        flat = [passes.batch_first(next(arrays))
+                for _ in logits]  # one entry per output
         for t, has in zip(flat, logits):
             if has:
                 passes.keep_logits(t, passes.batch_first(next(arrays)))

@@ -55,6 +55,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from hftatf.layers.fold import has_random_state
+
 # Assumed when the system does not say (a common server CPU's L3).
 DEFAULT_CACHE_BYTES = 32 * 2**20
 # The most cache one core is credited with. Server CPUs have 1.5-4 MiB of
@@ -136,8 +138,6 @@ def activation_bytes_per_model(array, batch_size, layers=None):
 
 def draws_random_numbers(layer):
     """Whether `layer`, or a layer inside it, draws random numbers."""
-    from hftatf.layers.fold import has_random_state
-
     return any(has_random_state(inner)
                for inner in layer._flatten_layers(include_self=True))
 
@@ -291,7 +291,7 @@ def models_first(tensor):
 def batch_first(tensor):
     """`[B, batch, ...]` as `[batch, B, ...]`: one transpose, which
     `FusedModel` cancels where it takes each model's slice."""
-    return tf.transpose(tensor, (1, 0, *range(2, len(tensor.shape))))
+    return ops.swapaxes(tensor, 0, 1)
 
 
 def keep_logits(tensor, logits):
