@@ -21,9 +21,9 @@ from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
 from keras.src.trainers.trainer import model_supports_jit
 
 from hftatf import optimizers as fused_optimizers
-from hftatf import passes
+from hftatf import passes, seeds
 from hftatf.api import hftatf_export
-from hftatf.layers import attention, convolutional
+from hftatf.layers import convolutional
 from hftatf.layers.base import broadcast_to_models
 from hftatf.validation import check_num_models
 
@@ -393,10 +393,9 @@ class FusedModel(keras.Model):
             run_eagerly, steps_per_execution: as in Keras.
             jit_compile: as in Keras, except that `"auto"` turns XLA on
                 wherever the model supports it, CPU included (fused arrays
-                gain from it there too), but for models with convolutions or
-                multi-head attention on a CPU (XLA's CPU convolutions are
-                slower than TensorFlow's and slow to compile; Transformer
-                arrays measured faster without it). Under a distribution
+                gain from it there too), but for models with convolutions
+                on a CPU (XLA's CPU convolutions are slower than
+                TensorFlow's and slow to compile). Under a distribution
                 strategy, where
                 Keras compiles no step with XLA, `"auto"` and True compile
                 each replica's forward and backward pass (on TPU the whole
@@ -513,13 +512,11 @@ class FusedModel(keras.Model):
         if any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU")):
             return True
         # On CPUs, XLA fuses an array's elementwise work and batched matmuls
-        # (faster), but its convolutions are slower than TensorFlow's oneDNN
-        # kernels, and it takes minutes to compile a deep convolutional
-        # network; Transformer arrays, in passes, trained faster without it
-        # (benchmarks/README.md).
-        return not (self._has_convolutions() or any(
-            isinstance(layer, attention.FusedAttentionBase)
-            for layer in self._flatten_layers()))
+        # (faster, Transformers included, since their draws take keys
+        # straight from their seeds: `hftatf.seeds`), but its convolutions
+        # are slower than TensorFlow's oneDNN kernels, and it takes minutes
+        # to compile a deep convolutional network (benchmarks/README.md).
+        return not self._has_convolutions()
 
     def _has_convolutions(self):
         return any(convolutional.is_convolution(layer)
@@ -692,6 +689,19 @@ class FusedModel(keras.Model):
 
     # -- steps --------------------------------------------------------------
 
+    def make_train_function(self, force=False):
+        """As Keras's, but the step (this class's `train_step`, or a
+        subclass's) is traced with its random draws taking their keys
+        straight from their seeds (`hftatf.seeds`)."""
+        if self.train_function is not None and not force:
+            return self.train_function
+        self.train_function = self._make_function(self._train_step_keyed)
+        return self.train_function
+
+    def _train_step_keyed(self, data):
+        with seeds.keys_from_seeds():
+            return self.train_step(data)
+
     def train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         state = self.model_state()
@@ -863,15 +873,11 @@ class FusedModel(keras.Model):
     def _loops_passes(self):
         """Whether the step runs its passes of equal size as a loop
         (`passes.looped_passes`): where it is compiled with XLA, which then
-        compiles one pass instead of each, and its passes draw few random
-        numbers (`passes.MAX_RANDOM_SHARE`): XLA's CPU code for random
-        draws inside such a step measured 5x slower for Transformers with
-        dropout (benchmarks/README.md). Not for arrays of several outputs:
-        a loop's passes share one compiled loss, so they cannot update each
-        model's own per-output loss trackers."""
+        compiles one pass instead of each. Not for arrays of several
+        outputs: a loop's passes share one compiled loss, so they cannot
+        update each model's own per-output loss trackers."""
         return bool((self.jit_compile is True or self._replica_jit_compile)
-                    and len(keras.tree.flatten(self.outputs)) == 1
-                    and passes.random_share(self) <= passes.MAX_RANDOM_SHARE)
+                    and len(keras.tree.flatten(self.outputs)) == 1)
 
     def _one_pass(self, start, count, x, y, sample_weight, values, carried,
                   previous=()):

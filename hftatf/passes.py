@@ -27,12 +27,12 @@ compiled with XLA, three or more passes of the same size run instead as one
 `tf.while_loop` over a pass traced once (`looped_passes`): the first pass
 is traced on its own, and its outputs give the dtypes and shapes that every
 pass writes at its index of a `tf.TensorArray`; a shorter last pass is
-traced after the loop. Not where a pass draws many random numbers
-(`random_share` above `MAX_RANDOM_SHARE`): XLA's CPU code recomputes the
-seed's hash for every random number drawn inside such a loop, which made
-Transformer arrays with dropout 5x slower. Without XLA the loop measured
-no faster per step (0.97-0.98x for a Transformer, 1.00-1.02x for PointNet),
-so passes stay traced one by one there.
+traced after the loop. (Random draws inside the loop take their keys
+straight from their seeds, `hftatf.seeds`: XLA's CPU code recomputed the
+seed's hash for every number drawn there, which made Transformer arrays
+with dropout 5x slower.) Without XLA the loop measured no faster per step
+(0.97-0.98x for a Transformer, 1.00-1.02x for PointNet), so passes stay
+traced one by one there.
 
 `compile(models_per_pass="auto")` (the default) uses passes only where they
 were measured to pay (`benchmarks/README.md`): on a CPU, in a step compiled
@@ -55,8 +55,6 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from hftatf.layers.fold import has_random_state
-
 # Assumed when the system does not say (a common server CPU's L3).
 DEFAULT_CACHE_BYTES = 32 * 2**20
 # The most cache one core is credited with. Server CPUs have 1.5-4 MiB of
@@ -65,12 +63,6 @@ DEFAULT_CACHE_BYTES = 32 * 2**20
 # (480 MiB for 2 cores, measured): the share of a process's cores is what
 # its passes can count on.
 MAX_CACHE_BYTES_PER_CORE = 4 * 2**20
-# The largest share of a model's activations drawn at random (dropout,
-# noise) for which a step compiled with XLA loops over its passes: XLA's
-# CPU code for random draws inside such a loop measured 5x slower for
-# Transformers with dropout (15-20% of their activations), while PointNet
-# (0.03%: dropout in its classifier only) trained 1.13x faster.
-MAX_RANDOM_SHARE = 0.01
 # Assumed when the training step's batch size is not static.
 DEFAULT_BATCH_SIZE = 32
 
@@ -112,16 +104,13 @@ def cache_bytes():
                usable_cores() * MAX_CACHE_BYTES_PER_CORE)
 
 
-def activation_bytes_per_model(array, batch_size, layers=None):
+def activation_bytes_per_model(array, batch_size):
     """Bytes of the layer outputs one model of `array` produces (or reads,
     for tensors all models share) in a forward pass of `batch_size`
     samples: the working set a training step keeps per model for its
-    backward pass. `layers`, a predicate, counts only the outputs of the
-    layers it accepts."""
+    backward pass."""
     total = 0
     for layer in array._flatten_layers(include_self=False):
-        if layers is not None and not layers(layer):
-            continue
         for node in getattr(layer, "_inbound_nodes", ()):
             for tensor in keras.tree.flatten(node.output_tensors):
                 shape = tuple(tensor.shape)[1:]
@@ -134,21 +123,6 @@ def activation_bytes_per_model(array, batch_size, layers=None):
                 total += int(np.prod(shape)) * np.dtype(
                     tensor.dtype).itemsize
     return total * batch_size
-
-
-def draws_random_numbers(layer):
-    """Whether `layer`, or a layer inside it, draws random numbers."""
-    return any(has_random_state(inner)
-               for inner in layer._flatten_layers(include_self=True))
-
-
-def random_share(array):
-    """The share of one model's activations (`activation_bytes_per_model`)
-    that layers drawing random numbers output: about how many random
-    numbers a pass draws for each value it computes."""
-    total = activation_bytes_per_model(array, 1)
-    drawn = activation_bytes_per_model(array, 1, draws_random_numbers)
-    return drawn / max(total, 1)
 
 
 def auto_models_per_pass(array, batch_size):

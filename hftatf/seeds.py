@@ -1,0 +1,82 @@
+"""Random draws in an array's training step: keys straight from their seeds.
+
+Stock Keras draws every random number (dropout masks, noise) with a
+stateless TensorFlow op: `tf.random.stateless_uniform(shape, seed)` first
+hashes the `[2]` seed into a Philox key and counter
+(`StatelessRandomGetKeyCounter`, one Philox block: about a hundred scalar
+operations), then draws. Compiled with XLA for a CPU, the hash is fused
+into the loop over the numbers drawn and recomputed for each of them: an
+attention-dropout mask of 64 x 4 x 64 x 64 took 350 ms instead of 20 ms
+inside a loop over passes (`hftatf.passes`), and a Transformer array's
+step 10% longer where its passes were traced one by one.
+
+An array's training step therefore draws with the seed's bits as the key
+(`keys_from_seeds`) and counts from zero, as TensorFlow's ThreeFry draws
+and JAX's keys do: Philox gives unrelated streams for distinct keys, and
+every draw of a step has its own seed (a `keras.random.SeedGenerator`
+advances with each), so masks stay independent between layers, steps,
+passes and models. Only which numbers a seed draws changes: an array's
+training step and a stock model's with the same seed drew different masks
+already (an array draws one mask over the batches of all its models).
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.ops import random_ops_util
+
+# The TensorFlow function that turns a `[2]` seed into a key and counter for
+# its stateless random ops, and the `alg` it hashes for (the default,
+# "auto_select"). Absent in another TensorFlow version: draws keep the hash.
+_KEY_COUNTER = getattr(random_ops_util, "_get_key_counter", None)
+_AUTO_SELECT = random_ops_util.Algorithm.AUTO_SELECT.value
+# Philox's counter is two 64-bit words; ThreeFry uses the first.
+_COUNTER_WORDS = 2
+_lock = threading.RLock()
+_depth = 0
+
+
+def key_counter_from_seed(seed):
+    """The key and counter a stateless draw takes from a `[2]` integer
+    seed, without a hash: the seed's two 32-bit words as one 64-bit key,
+    and a zero counter."""
+    words = tf.cast(seed, tf.uint32)
+    key = tf.reshape(random_ops_util._uint32s_to_uint64(words), [1])
+    return key, tf.zeros([_COUNTER_WORDS], tf.uint64)
+
+
+def _key_counter(seed, alg):
+    if alg == _AUTO_SELECT:
+        return key_counter_from_seed(seed)
+    return _KEY_COUNTER(seed, alg)
+
+
+def supported():
+    """Whether this TensorFlow lets `keys_from_seeds` change how draws
+    take their keys."""
+    return _KEY_COUNTER is not None
+
+
+@contextlib.contextmanager
+def keys_from_seeds():
+    """Within this context, stateless random ops created with TensorFlow's
+    default algorithm (every `keras.random` draw on the TensorFlow
+    backend) take their key from their seed's bits
+    (`key_counter_from_seed`) instead of hashing it. Use it around the
+    tracing of a training step; a no-op where not `supported()`."""
+    global _depth
+    if not supported():
+        yield
+        return
+    with _lock:
+        if _depth == 0:
+            random_ops_util._get_key_counter = _key_counter
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                random_ops_util._get_key_counter = _KEY_COUNTER
