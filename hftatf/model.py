@@ -946,31 +946,36 @@ class FusedModel(keras.Model):
                     + [losses] + per_model
                     + [s for s in sliced if s is not None]), shared
 
+        def shared_of(state):
+            """The entries of `state` without a model axis: the loop
+            carries them from pass to pass."""
+            return [c for c, role in zip(state, state_roles) if not role]
+
+        def with_shared(state, shared):
+            """`state` with its entries without a model axis replaced."""
+            shared = iter(shared)
+            return [value if role else next(shared)
+                    for value, role in zip(state, state_roles)]
+
         outputs, sums = written(first)
         arrays = [passes.stacked(t, num_passes).write(0, t)
                   for t in outputs]
-        shared_state = [c for c, role in zip(carried, state_roles)
-                        if not role]
 
         def body(i, arrays, sums, shared_state):
-            shared = iter(shared_state)
-            now = [value if role else next(shared)
-                   for value, role in zip(carried, state_roles)]
-            part, now = self._one_pass(i * count, count, x, y,
-                                       sample_weight, values, now)
+            part, now = self._one_pass(
+                i * count, count, x, y, sample_weight, values,
+                with_shared(carried, shared_state))
             outputs, added = written(part)
             arrays = [a.write(i, t) for a, t in zip(arrays, outputs)]
             sums = [s + a for s, a in zip(sums, added)]
-            shared_state = [c for c, role in zip(now, state_roles)
-                            if not role]
-            return i + 1, arrays, sums, shared_state
+            return i + 1, arrays, sums, shared_of(now)
 
         # Starts when the first pass is done.
         with tf.control_dependencies(passes.pass_outputs(first)):
             start = tf.identity(tf.constant(1, "int32"))
         _, arrays, sums, shared_state = tf.while_loop(
             lambda i, *_: i < num_passes, body,
-            (start, arrays, sums, shared_state), parallel_iterations=1,
+            (start, arrays, sums, shared_of(carried)), parallel_iterations=1,
             maximum_iterations=num_passes - 1)
         arrays = iter([passes.joined(a) for a in arrays])
         flat = [passes.batch_first(next(arrays))
@@ -984,9 +989,7 @@ class FusedModel(keras.Model):
                      else next(sums)
                      for g, role in zip(first_gradients, trainable_roles)]
         sliced = [None if s is None else next(arrays) for s in first_state]
-        shared_state = iter(shared_state)
-        carried = [value if role else next(shared_state)
-                   for value, role in zip(carried, state_roles)]
+        carried = with_shared(carried, shared_state)
         preds = keras.tree.pack_sequence_as(first_preds, flat)
         return (0, preds, losses, gradients, sliced), carried
 
