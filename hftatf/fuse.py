@@ -53,11 +53,12 @@ def fuse(model, num_models, shared_inputs=True, name=None,
             `"batch_first"`, `[batch, B, ...]` everywhere; `"models_first"`,
             `[B, batch, ...]` from each convolution through the layers that
             compute in that layout too (batch normalization, activations,
-            merges, padding, pooling), back to `[batch, B, ...]` before
-            any other layer; `"auto"` (the default), models first on a CPU,
-            where convolutions run per model and their per-model slices
-            of `[B, batch, ...]` are views, not copies, and batch first on
-            a GPU or TPU and for one model. The array's inputs and
+            dropout, merges, padding, pooling, dense layers), back to
+            `[batch, B, ...]` before any other layer; `"auto"` (the
+            default), models first on a CPU, where convolutions run per
+            model and their per-model slices of `[B, batch, ...]` are
+            views, not copies, and batch first on a GPU or TPU and for
+            one model. The array's inputs and
             outputs are the same in every layout, and so is what each
             model computes.
 

@@ -83,6 +83,117 @@ def test_convolutions_with_models_first_compute_as_stock(
     compare_layer_with_stock(stock, wrapped, [x], rng)
 
 
+@pytest.mark.parametrize("shape", [(4, 6), (4, 5, 6)])
+@pytest.mark.parametrize("num_models", [B, 1])
+@pytest.mark.parametrize("config", [
+    dict(units=3, activation="relu"), dict(units=2, use_bias=False)])
+def test_dense_with_models_first_computes_as_stock(shape, num_models,
+                                                   config):
+    rng = np.random.default_rng(6)
+    stock, wrapped = _stock_and_fused(keras.layers.Dense, shape, rng,
+                                      num_models=num_models, **config)
+    assert wrapped.layer.models_first
+    x = rng.standard_normal((shape[0], num_models, *shape[1:])).astype(
+        "float32")
+    compare_layer_with_stock(stock, wrapped, [x], rng)
+
+
+def test_dense_with_models_first_is_one_product_without_transposes():
+    import tensorflow as tf
+
+    layer = fused_layers.FusedDense(B, 4, models_first=True)
+    layer.build((B, 8, 5, 6))
+    graph = tf.function(layer).get_concrete_function(
+        tf.TensorSpec((B, 8, 5, 6))).graph
+    op_types = [op.type for op in graph.get_operations()]
+    assert op_types.count("BatchMatMulV2") == 1
+    assert "Transpose" not in op_types
+
+
+def test_dense_on_a_shared_input_with_models_first_outputs():
+    rng = np.random.default_rng(7)
+    stock = [keras.layers.Dense(3) for _ in range(B)]
+    for layer in stock:
+        layer.build((5, 4))
+    fused = fused_layers.FusedDense(B, 3, shared_input=True,
+                                    models_first=True)
+    fused.build((5, 4))
+    fused.set_weights(stacked_weights(stock))
+    x = rng.standard_normal((5, 4)).astype("float32")
+    mask = np.array([True, False, True, True, False])
+    outputs = fused(x)
+    assert tuple(outputs.shape) == (B, 5, 3)
+    assert fused.compute_output_shape((5, 4)) == (B, 5, 3)
+    for b, layer in enumerate(stock):
+        assert_close(outputs[b], layer(x))
+    np.testing.assert_array_equal(fused.compute_mask(x, mask),
+                                  np.broadcast_to(mask, (B, 5)))
+
+
+def _dropouts(layout_first, **config):
+    """A stock Dropout and its fused form with the models first or
+    second, both drawing from the same seed."""
+    stock = keras.layers.Dropout(**config)
+    return registry_fused(stock, models_first=layout_first)
+
+
+@pytest.mark.parametrize("shape, noise_shape", [
+    ((5, 4, 4, 3), None),
+    ((5, 4, 4, 3), (None, 1, 1, 3)),
+    ((5, 4, 4, 3), (1, None, None, None)),
+    ((6, 7), (None, 7)),
+])
+@pytest.mark.parametrize("compiled", [None, "graph", "xla"])
+def test_dropout_with_models_first_draws_the_masks_of_the_other_layout(
+        shape, noise_shape, compiled):
+    import tensorflow as tf
+
+    config = dict(rate=0.4, noise_shape=noise_shape, seed=11)
+    second, first = _dropouts(False, **config), _dropouts(True, **config)
+    assert first.models_first and not second.models_first
+    x = np.random.default_rng(8).uniform(1.0, 2.0, (shape[0], B, *shape[1:]))
+    x = tf.constant(x.astype("float32"))
+
+    def call(layer, inputs):
+        return layer(inputs, training=True)
+
+    if compiled is not None:
+        call = tf.function(call, jit_compile=compiled == "xla")
+    for _ in range(2):  # and the seed generators move on alike
+        expected = call(second, x)
+        outputs = ops.swapaxes(call(first, ops.swapaxes(x, 0, 1)), 0, 1)
+        np.testing.assert_array_equal(outputs, expected)
+    # A real draw: kept entries scaled, the rest zero, near the rate, and
+    # every model its own mask.
+    dropped = np.asarray(outputs) == 0
+    kept = ~dropped
+    np.testing.assert_allclose(np.asarray(outputs)[kept],
+                               np.asarray(x)[kept] / 0.6, rtol=1e-6)
+    if noise_shape is None:
+        assert 0.3 < dropped.mean() < 0.5
+        assert not np.array_equal(dropped[:, 0], dropped[:, 1])
+
+
+def test_dropout_with_models_first_outside_training_and_at_rate_one():
+    x = np.ones((B, 4, 3), "float32")
+    first = _dropouts(True, rate=0.5, seed=1)
+    np.testing.assert_array_equal(first(x, training=False), x)
+    np.testing.assert_array_equal(first(x), x)
+    never = _dropouts(True, rate=0.0)
+    np.testing.assert_array_equal(never(x, training=True), x)
+    always = _dropouts(True, rate=1.0)
+    np.testing.assert_array_equal(always(x, training=True), np.zeros_like(x))
+
+
+def test_only_dropouts_that_draw_per_sample_or_batch_take_the_models_first():
+    takes = fused_layers.registry.takes_models_first
+    assert takes(keras.layers.Dropout(0.5))
+    assert takes(keras.layers.Dropout(0.5, noise_shape=(1, None)))
+    assert not takes(keras.layers.Dropout(0.5, noise_shape=(4, None)))
+    assert not takes(keras.layers.SpatialDropout1D(0.5))
+    assert not takes(keras.layers.GaussianNoise(0.1))
+
+
 @pytest.mark.parametrize("stock_class, config, implementation", [
     (keras.layers.Conv2D, dict(filters=5, kernel_size=3, padding="same"),
      "per_model"),
@@ -180,19 +291,20 @@ def _layouts(array):
         for layer in array.layers)
 
 
-def test_fuse_keeps_the_models_first_from_convolution_to_dropout():
+def test_fuse_keeps_the_models_first_from_convolution_to_the_output():
     array = hftatf.fuse(resnet_block_model(), B, layout="models_first")
     layouts = _layouts(array)
     assert layouts[("FusedConv2D", True)] == 2
     assert layouts[("FusedBatchNormalization", True)] == 2
     assert layouts[("FusedDepthwiseConv2D", True)] == 1
-    # ReLU, Add, Activation, ZeroPadding2D, MaxPooling2D.
-    assert layouts[("FusedFold", True)] == 5
-    # Dropout draws with the models second, then pooling follows it.
-    assert layouts[("FusedFold", False)] == 2
-    assert layouts[("FusedDense", False)] == 1
-    # One swap back, before the dropout; none anywhere else.
+    # ReLU, Add, Activation, ZeroPadding2D, MaxPooling2D, Dropout (its
+    # masks drawn with the models second, then moved) and pooling.
+    assert layouts[("FusedFold", True)] == 7
+    assert layouts[("FusedFold", False)] == 0
+    assert layouts[("FusedDense", True)] == 1
+    # One swap back, for the array's output; none anywhere else.
     assert layouts[("SwapModelAxis", False)] == 1
+    assert isinstance(array.layers[-1], fused_layers.SwapModelAxis)
     batch_first = hftatf.fuse(resnet_block_model(), B, layout="batch_first")
     assert not any(getattr(layer, "models_first", False)
                    for layer in batch_first.layers)
@@ -212,8 +324,8 @@ def test_models_first_array_trains_saves_and_unfuses_as_batch_first():
     for array in (first, second):
         array.compile(optimizer=hftatf.optimizers.SGD(learning_rate=0.1),
                       loss="sparse_categorical_crossentropy")
-        # The dropout draws with the models second in both layouts, from
-        # the same seed: the same masks.
+        # The dropout draws its masks with the models second in both
+        # layouts, from the same seed: the same masks.
         array.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False)
     for ours, theirs in zip(first.get_weights(), second.get_weights()):
         assert_close(ours, theirs)
@@ -242,9 +354,12 @@ def test_fuse_refuses_an_unknown_layout():
 
 def test_layers_refuse_models_first_where_they_cannot():
     with pytest.raises(ValueError, match="models_first"):
-        fused_layers.FusedDense(B, 3, models_first=True)
+        fused_layers.FusedLayerNormalization(B, models_first=True)
     with pytest.raises(ValueError, match="models first"):
-        registry_fused(keras.layers.Dense(3), models_first=True)
+        registry_fused(keras.layers.LayerNormalization(), models_first=True)
+    with pytest.raises(ValueError, match="models first"):
+        registry_fused(keras.layers.SpatialDropout2D(0.5),
+                       models_first=True)
 
 
 def test_auto_layout_has_the_models_first_on_a_cpu_for_two_models_or_more():
@@ -271,9 +386,9 @@ def test_activation_bytes_count_one_model_in_either_layout():
     first = hftatf.fuse(model, B, layout="models_first")
     # Per sample and model: the shared input, the convolution's and the
     # pooling's outputs and the logits; with the models first, also the
-    # pooled features swapped back before the dense layer.
+    # logits swapped back for the array's output.
     per_sample = 4 * (6 * 6 * 2 + 6 * 6 * 4 + 4 + 3)
     assert passes.activation_bytes_per_model(batch_first, 10) == (
         10 * per_sample)
     assert passes.activation_bytes_per_model(first, 10) == (
-        10 * (per_sample + 4 * 4))
+        10 * (per_sample + 4 * 3))

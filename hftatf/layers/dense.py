@@ -26,7 +26,8 @@ def products_models_first(input_shape, num_models, size_in, size_out,
     if num_models == 1:
         return False
     xla = compiling_with_xla()
-    positions = input_shape[2:len(input_shape) - contracted]
+    # A tuple: an empty TensorShape is true (its rank is known).
+    positions = tuple(input_shape)[2:len(input_shape) - contracted]
     if not positions:
         return not xla
     if xla or None in positions:
@@ -36,11 +37,12 @@ def products_models_first(input_shape, num_models, size_in, size_out,
 
 
 def per_model_matmul(inputs, kernel, bias=None, activation=None,
-                     contracted=1, output_dims=None):
+                     contracted=1, output_dims=None, models_first=False):
     """`activation(x[:, b] @ kernel[b] + bias[b])` for every model `b`.
 
     Args:
-        inputs: `[batch, B, *positions, *contracted axes]`.
+        inputs: `[batch, B, *positions, *contracted axes]`, or `[B, batch,
+            ...]` with `models_first`.
         kernel: `[B, in, out]`, `in` the size of the contracted axes.
         bias: None, or `[B, *t]` with `t` broadcasting from the right
             against one model's output `[*positions, *output_dims]`.
@@ -48,13 +50,17 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
         contracted: how many trailing input axes the product contracts.
         output_dims: the trailing output axes `out` is reshaped to
             (default `(out,)`).
+        models_first: whether inputs and outputs have the models first.
 
-    Returns `[batch, B, *positions, *output_dims]`, each row exactly the
-    stock product of that row and the model's kernel, plus its bias.
+    Returns `[batch, B, *positions, *output_dims]` (`[B, batch, ...]` with
+    `models_first`), each row exactly the stock product of that row and
+    the model's kernel, plus its bias.
 
     The formulation is chosen for the kernels that will run it:
 
     * one model: the stock layer's computation on `x[:, 0]`;
+    * inputs with the models first: one batched matmul of each model's
+      rows, `[B, rows, in] @ [B, in, out]`, without a transpose;
     * under XLA, inputs `[batch, B, in]`: one einsum (one batched matmul);
     * for TensorFlow's own kernels, inputs `[batch, B, in]`: one batched
       matmul between explicit transposes (its einsum kernel does the same
@@ -91,17 +97,17 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
         # batch axis of the kernel broadcasts, as `[1, 1, in, out]` would.
         # Reshapes, not `kernel[0]`: a slice's gradient is a zero-filled
         # copy, a reshape's a reshape.
-        outputs = ops.matmul(
-            ops.reshape(inputs, (shape[0], *shape[2:2 + kept], size_in)),
-            ops.reshape(kernel, (size_in, size_out)))
-        outputs = ops.reshape(outputs, (shape[0], *shape[2:2 + kept],
-                                        *output_dims))
+        axis = 0 if models_first else 1
+        rows = (shape[1 - axis], *shape[2:2 + kept])
+        outputs = ops.matmul(ops.reshape(inputs, (*rows, size_in)),
+                             ops.reshape(kernel, (size_in, size_out)))
+        outputs = ops.reshape(outputs, (*rows, *output_dims))
         if bias is not None:
             # As the stock layers add theirs.
             outputs = ops.add(outputs, ops.reshape(bias, bias.shape[1:]))
         if activation is not None:
             outputs = activation(outputs)
-        return ops.expand_dims(outputs, 1)
+        return ops.expand_dims(outputs, axis)
     if bias is not None:
         # [B, *t] -> [B, 1, ..., 1, *t]: one model's full output rank.
         bias = ops.reshape(bias, (
@@ -115,6 +121,9 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
             outputs = outputs + bias
         return outputs if activation is None else activation(outputs)
 
+    if models_first:
+        return _models_first_products(inputs, kernel, bias, finish,
+                                      contracted, output_dims)
     if not products_models_first(inputs.shape, num_models, size_in, size_out,
                                  contracted):
         if kept:
@@ -129,9 +138,20 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
         return finish(outputs, None if bias is None
                       else as_one_sample(bias, outputs))
     swap = (1, 0, *range(2, rank))
-    moved = ops.transpose(inputs, swap)
-    # Shapes of the moved tensor, not of `inputs`: where the transpose
-    # cancels, so does everything that read it.
+    outputs = _models_first_products(ops.transpose(inputs, swap), kernel,
+                                     bias, finish, contracted, output_dims)
+    return ops.transpose(outputs, (1, 0, *range(2, len(outputs.shape))))
+
+
+def _models_first_products(moved, kernel, bias, finish, contracted,
+                           output_dims):
+    """The products of `moved` (`[B, batch, ...]`) and `kernel`, then
+    `finish(outputs, bias)` (`bias` `[B, 1, ..., 1, *t]` of one model's full
+    output rank, or None)."""
+    num_models, size_in, _ = kernel.shape
+    kept = len(moved.shape) - 2 - contracted
+    # Shapes of the moved tensor, not of the caller's: where a transpose
+    # into this layout cancels, so does everything that read it.
     moved_shape = ops.shape(moved)
     outputs = ops.matmul(ops.reshape(moved, (num_models, -1, size_in)),
                          kernel)
@@ -141,8 +161,7 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
         bias = ops.expand_dims(bias, 1)
         if not compiling_with_xla() and _bias_rows(outputs, bias):
             outputs, bias = _add_bias_by_rows(outputs, bias), None
-    outputs = finish(outputs, bias)
-    return ops.transpose(outputs, (1, 0, *range(2, len(outputs.shape))))
+    return finish(outputs, bias)
 
 
 def _bias_rows(outputs, bias):
@@ -241,6 +260,12 @@ class FusedDense(FusedLayer):
     Dense of `B * units`). `hftatf.fuse` builds the first Dense after a
     shared input this way.
 
+    With `models_first=True` activations have the models first (`[B,
+    batch, ..., in_features]` -> `[B, batch, ..., units]`; the output
+    alone with `shared_input`), and each model's rows are one product
+    without a transpose. `hftatf.fuse` builds a Dense this way where its
+    input has the models first (after a convolution, on a CPU).
+
     Args:
         num_models: the number of models `B` in the array.
         units, activation, use_bias, kernel_initializer, bias_initializer,
@@ -252,7 +277,10 @@ class FusedDense(FusedLayer):
             quantization are not supported in arrays).
         shared_input: whether the input is one batch shared by all models
             (`[batch, ..., in_features]`) rather than `[batch, B, ...]`.
+        models_first: whether activations have the models first.
     """
+
+    supports_models_first = True
 
     def __init__(
         self,
@@ -313,9 +341,11 @@ class FusedDense(FusedLayer):
             self.input_spec = keras.layers.InputSpec(
                 min_ndim=2, axes={-1: input_shape[-1]})
         else:
-            check_model_axis(self.name, self.num_models, input_shape)
+            check_model_axis(self.name, self.num_models, input_shape,
+                             self.model_axis)
             self.input_spec = keras.layers.InputSpec(
-                min_ndim=3, axes={1: self.num_models, -1: input_shape[-1]})
+                min_ndim=3, axes={self.model_axis: self.num_models,
+                                  -1: input_shape[-1]})
         self.kernel = self.add_model_weight(
             (input_shape[-1], self.units),
             name="kernel",
@@ -336,22 +366,26 @@ class FusedDense(FusedLayer):
     def call(self, inputs, training=None):
         if not self.shared_input:
             return per_model_matmul(inputs, self.kernel, self.bias,
-                                    activation=self.activation)
+                                    activation=self.activation,
+                                    models_first=self.models_first)
         outputs = shared_matmul(inputs, self.kernel, self.bias)
         if self.activation is not None:
             outputs = self.activation(outputs)
-        return outputs
+        return ops.swapaxes(outputs, 0, 1) if self.models_first else outputs
 
     def compute_output_shape(self, input_shape):
         if self.shared_input:
-            return (input_shape[0], self.num_models, *input_shape[1:-1],
-                    self.units)
+            shape = (input_shape[0], self.num_models, *input_shape[1:-1],
+                     self.units)
+            return (shape[1], shape[0], *shape[2:]) if self.models_first \
+                else shape
         return (*input_shape[:-1], self.units)
 
     def compute_mask(self, inputs, mask=None):
         if mask is not None and self.shared_input:
             # As BroadcastToModels gives a shared input's mask to every model.
-            return repeat_for_models(mask, self.num_models)
+            mask = repeat_for_models(mask, self.num_models)
+            return ops.swapaxes(mask, 0, 1) if self.models_first else mask
         return mask
 
     def get_config(self):

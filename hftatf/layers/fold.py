@@ -12,7 +12,10 @@ layouts.
 """
 
 import keras
+import tensorflow as tf
 from keras import ops
+from keras.src.backend.tensorflow.random import _cast_seed
+from keras.src.random.seed_generator import draw_seed
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
@@ -97,6 +100,51 @@ def _stochastic_depth():
 UNSEEDED_RANDOM_LAYERS = (_stochastic_depth(),)
 
 
+def _dropout_models_first(layer, inputs, num_models, training):
+    """The stock `Dropout` `layer` on `inputs` with the models first, `[B,
+    batch, ...]`, drawing exactly the masks it draws with the models second.
+
+    The stock layer on the folded batch `[batch * B, ...]` draws its
+    uniform noise in that order; here the same draw (same seed, shape and
+    algorithm) is compared with the rate, and only the boolean mask moves
+    the models first: one copy of a quarter of the activations' bytes, where
+    swapping the activations for the stock layer would move them twice
+    (and their gradients twice more). The output is TensorFlow's
+    `stateless_dropout`'s, `where(keep, x * (1 / (1 - rate)), 0)`.
+    """
+    if not training or layer.rate == 0:
+        return inputs
+    if layer.rate == 1.0:
+        return tf.zeros_like(inputs)
+    seed = _cast_seed(draw_seed(layer.seed_generator))
+    shape = ops.shape(inputs)
+    # The noise shape of the folded batch with the models second.
+    folded = [shape[1] * num_models, *shape[2:]]
+    noise_shape = folded if layer.noise_shape is None else [
+        size if dim is None else dim
+        for size, dim in zip(folded, layer.noise_shape)]
+    keep = tf.random.stateless_uniform(
+        noise_shape, seed=seed, dtype=inputs.dtype, alg=None) >= layer.rate
+    if noise_shape[0] == 1:
+        # One mask for every sample, models included.
+        keep = ops.expand_dims(keep, 0)
+    else:
+        keep = ops.reshape(keep, (shape[1], num_models, *noise_shape[1:]))
+        keep = ops.swapaxes(keep, 0, 1)
+    scale = tf.convert_to_tensor(1 / (1 - layer.rate), dtype=inputs.dtype)
+    return tf.where(keep, inputs * scale, tf.zeros((), inputs.dtype))
+
+
+def _draws_models_first(layer):
+    """Whether `FusedFold` draws the random `layer`'s numbers with the
+    models first as it would with them second: the stock `Dropout` (not
+    its subclasses, which shape their noise otherwise) with a mask per
+    sample or one for the whole batch."""
+    if type(layer) is not keras.layers.Dropout:
+        return False
+    return layer.noise_shape is None or layer.noise_shape[0] in (None, 1)
+
+
 def _fold_tensors(structure, name, num_models, models_first=False):
     """Folds every tensor of `structure` (checking its model axis: a wrong
     one would fold samples of different models together silently)."""
@@ -146,6 +194,9 @@ class FusedFold(keras.layers.Wrapper):
 
     Random layers (`Dropout`, `GaussianNoise`, ...) draw over the folded batch,
     so every model gets its own independent mask, as B separate jobs would.
+    With the models first, `Dropout` draws over the batch folded with the
+    models second and moves its mask: each model draws the same mask in
+    either layout.
 
     Args:
         layer: the stock Keras layer. It must have no weights and must treat
@@ -171,9 +222,12 @@ class FusedFold(keras.layers.Wrapper):
     @classmethod
     def takes_models_first(cls, layer):
         """Whether `hftatf.fuse` runs the stock `layer` with the models
-        first: deterministic layers that make no mask of their own. Random
-        ones keep the models second, so that each model draws what it draws
-        in an array of the other layout."""
+        first: deterministic layers that make no mask of their own, and
+        `Dropout`, which draws its masks with the models second and moves
+        them. Other random layers keep the models second, so that each
+        model draws what it draws in an array of the other layout."""
+        if _draws_models_first(layer):
+            return True
         return not (has_random_state(layer) or isinstance(
             layer, (keras.layers.Lambda, keras.layers.Masking)))
 
@@ -206,6 +260,11 @@ class FusedFold(keras.layers.Wrapper):
         return _unfold_tensors(structure, self.num_models, self.models_first)
 
     def call(self, inputs, training=None, mask=None):
+        if self.models_first and _draws_models_first(self.layer):
+            check_model_axis(self.name, self.num_models, tuple(inputs.shape),
+                             model_axis_of(True))
+            return _dropout_models_first(self.layer, inputs, self.num_models,
+                                         training)
         kwargs = {}
         if self.layer._call_has_training_arg and training is not None:
             kwargs["training"] = training
@@ -368,7 +427,7 @@ class SwapModelAxis(keras.layers.Layer):
     models-first layout.
 
     `hftatf.fuse` inserts it where a tensor with the models first meets a
-    layer that computes with them second (a Dense, a layer normalization,
+    layer that computes with them second (a layer normalization,
     an output of the array), or the reverse. No weights.
 
     Args:

@@ -150,6 +150,21 @@ def test_dense_rule_follows_the_sizes():
     assert not {"Unpack", "Einsum"} & op_types[1]
 
 
+@pytest.mark.parametrize("units", [1, 16])
+def test_dense_without_positions_moves_the_models_first(units):
+    # `[batch, B, in]` for TensorFlow's kernels: between transposes, for a
+    # one-unit output (a logit) too, whose einsum kernel is slower.
+    shape = tf.TensorShape((BATCH, 2, 64))
+    assert dense.products_models_first(shape, 2, 64, units)
+    assert dense.products_models_first(tuple(shape), 2, 64, units)
+    graph = tf.function(lambda x, k: dense.per_model_matmul(x, k))
+    concrete = graph.get_concrete_function(
+        tf.TensorSpec(shape), tf.TensorSpec((2, 64, units)))
+    op_types = {op.type for op in concrete.graph.get_operations()}
+    assert {"BatchMatMulV2", "Transpose"} <= op_types
+    assert "Einsum" not in op_types
+
+
 @pytest.mark.parametrize("equation, output_shape, shape, form", [
     # Multi-head attention's projections: the trailing input axes contract.
     # Form: (contracted axes, in, out, the kernel's output axes).
