@@ -507,11 +507,15 @@ def read_csv(path):
                     parsed[key] = value
                 elif key == "jit_compile":
                     parsed[key] = value == "True"
+                elif key == "models_per_pass":
+                    # A count, or how the array sizes its passes ("auto"
+                    # for an array that trains all its models at once).
+                    parsed[key] = int(value) if value.isdigit() else value
                 else:
                     number = float(value)
                     parsed[key] = int(number) if key in (
                         "num_models", "batch_size", "steps", "epochs",
-                        "repeats", "models_per_pass") else number
+                        "repeats") else number
             rows.append(parsed)
     return rows
 

@@ -58,9 +58,9 @@ def fuse(model, num_models, shared_inputs=True, name=None,
             default), models first on a CPU, where convolutions run per
             model and their per-model slices of `[B, batch, ...]` are
             views, not copies, and batch first on a GPU or TPU and for
-            one model. The array's inputs and
-            outputs are the same in every layout, and so is what each
-            model computes.
+            one model. The array's inputs and outputs are the same in
+            every layout, and so is what each model computes (and draws:
+            a dropout's masks).
 
     Returns:
         A `FusedModel` whose outputs are `[batch, B, ...]`.

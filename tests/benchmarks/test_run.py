@@ -167,12 +167,17 @@ def test_epoch_timer_records_wall_and_processor_time():
 def test_csv_round_trip(tmp_path):
     rows = [{"model": "pointnet", "mode": "fused", "num_models": 8,
              "batch_size": 64, "jit_compile": True, "samples_per_s": 1234.5,
-             "speedup": None}]
+             "speedup": None, "models_per_pass": 2},
+            # A GAN array reports how its passes are sized, not a count.
+            {"model": "dcgan", "mode": "fused", "num_models": 2,
+             "batch_size": 64, "jit_compile": False, "samples_per_s": 10.5,
+             "speedup": 0.9, "models_per_pass": "auto"}]
     path = tmp_path / "results.csv"
     run.write_csv(rows, path)
     read = run.read_csv(path)
-    assert len(read) == 1
-    assert {k: read[0][k] for k in rows[0]} == rows[0]
+    assert len(read) == 2
+    for row, row_read in zip(rows, read):
+        assert {k: row_read[k] for k in row} == row
     assert read[0]["peak_rss_mb"] is None
 
 
