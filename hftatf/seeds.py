@@ -27,10 +27,13 @@ import tensorflow as tf
 from tensorflow.python.ops import random_ops_util
 
 # The TensorFlow function that turns a `[2]` seed into a key and counter for
-# its stateless random ops, and the `alg` it hashes for (the default,
-# "auto_select"). Absent in another TensorFlow version: draws keep the hash.
+# its stateless random ops, the `alg` it hashes for (the default,
+# "auto_select"), and the function that packs two 32-bit words into one
+# 64-bit key. Any absent in another TensorFlow version: draws keep the hash.
 _KEY_COUNTER = getattr(random_ops_util, "_get_key_counter", None)
-_AUTO_SELECT = random_ops_util.Algorithm.AUTO_SELECT.value
+_UINT32S_TO_UINT64 = getattr(random_ops_util, "_uint32s_to_uint64", None)
+_AUTO_SELECT = getattr(getattr(random_ops_util, "Algorithm", None),
+                       "AUTO_SELECT", None)
 # Philox's counter is two 64-bit words; ThreeFry uses the first.
 _COUNTER_WORDS = 2
 _lock = threading.RLock()
@@ -42,12 +45,12 @@ def key_counter_from_seed(seed):
     seed, without a hash: the seed's two 32-bit words as one 64-bit key,
     and a zero counter."""
     words = tf.cast(seed, tf.uint32)
-    key = tf.reshape(random_ops_util._uint32s_to_uint64(words), [1])
+    key = tf.reshape(_UINT32S_TO_UINT64(words), [1])
     return key, tf.zeros([_COUNTER_WORDS], tf.uint64)
 
 
 def _key_counter(seed, alg):
-    if alg == _AUTO_SELECT:
+    if alg == _AUTO_SELECT.value:
         return key_counter_from_seed(seed)
     return _KEY_COUNTER(seed, alg)
 
@@ -55,7 +58,7 @@ def _key_counter(seed, alg):
 def supported():
     """Whether this TensorFlow lets `keys_from_seeds` change how draws
     take their keys."""
-    return _KEY_COUNTER is not None
+    return None not in (_KEY_COUNTER, _UINT32S_TO_UINT64, _AUTO_SELECT)
 
 
 @contextlib.contextmanager

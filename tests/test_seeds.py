@@ -31,6 +31,17 @@ def test_draws_in_the_context_take_the_seed_bits_as_key():
     np.testing.assert_array_equal(uniform([3, 7]), hashed)
 
 
+@pytest.mark.parametrize("missing", [
+    "_KEY_COUNTER", "_UINT32S_TO_UINT64", "_AUTO_SELECT"])
+def test_without_any_tensorflow_piece_it_needs_the_context_changes_nothing(
+        monkeypatch, missing):
+    hashed = uniform([5, 9])
+    monkeypatch.setattr(seeds, missing, None)
+    assert not seeds.supported()
+    with seeds.keys_from_seeds():
+        np.testing.assert_array_equal(uniform([5, 9]), hashed)
+
+
 def test_nested_contexts_restore_the_hash_at_the_outermost_exit():
     hashed = uniform([1, 2])
     with seeds.keys_from_seeds():
