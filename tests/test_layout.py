@@ -131,8 +131,9 @@ def test_dense_on_a_shared_input_with_models_first_outputs():
 
 
 def _dropouts(layout_first, **config):
-    """A stock Dropout and its fused form with the models first or
-    second, both drawing from the same seed."""
+    """The fused form of a fresh stock `Dropout(**config)`, with the
+    models first or second; the same `config` (seed included) gives the
+    same draws."""
     stock = keras.layers.Dropout(**config)
     return registry_fused(stock, models_first=layout_first)
 
