@@ -11,7 +11,7 @@ import keras
 import numpy as np
 
 from hftatf.layers import registry
-from hftatf.layers.convolutional import runs_on_accelerator
+from hftatf.layers.base import runs_on_accelerator
 from hftatf.layers.fold import (
     BroadcastToModels,
     FoldModelAxis,

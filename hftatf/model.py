@@ -24,7 +24,7 @@ from hftatf import optimizers as fused_optimizers
 from hftatf import passes, seeds
 from hftatf.api import hftatf_export
 from hftatf.layers import convolutional
-from hftatf.layers.base import broadcast_to_models
+from hftatf.layers.base import broadcast_to_models, runs_on_accelerator
 from hftatf.validation import check_num_models
 
 
@@ -774,7 +774,7 @@ class FusedModel(keras.Model):
             elif setting != "auto":
                 count = setting
             elif (self._distribute_strategy is not None
-                  or convolutional.runs_on_accelerator()
+                  or runs_on_accelerator()
                   # Convolutional arrays without XLA: passes measured no
                   # faster (benchmarks/README.md).
                   or (not self.jit_compile and self._has_convolutions())):

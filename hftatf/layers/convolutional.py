@@ -70,7 +70,7 @@ from keras.src.utils.argument_validation import (
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer
+from hftatf.layers.base import FusedLayer, runs_on_accelerator
 from hftatf.validation import check_model_axis
 
 __all__ = [
@@ -91,28 +91,9 @@ __all__ = [
 ]
 
 IMPLEMENTATIONS = ("auto", "grouped", "per_model")
-_ACCELERATORS = ("GPU", "TPU")
 
 
 # -- Choosing the kernel ----------------------------------------------------
-
-
-def runs_on_accelerator():
-    """Whether the computation being traced runs on a GPU or TPU.
-
-    The rule of `implementation="auto"`, in the module docstring.
-    """
-    if tf.distribute.has_strategy():
-        devices = list(tf.distribute.get_strategy().extended.worker_devices)
-    else:
-        # An eager op reports the device it ran on, a graph op the device its
-        # scope requests ("" when no scope does).
-        placed = tf.identity(tf.zeros(())).device
-        devices = [placed] if placed else []
-    if devices:
-        return any(tf.DeviceSpec.from_string(device).device_type
-                   in _ACCELERATORS for device in devices)
-    return any(tf.config.list_logical_devices(kind) for kind in _ACCELERATORS)
 
 
 def _check_implementation(layer_class, implementation):

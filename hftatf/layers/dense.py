@@ -12,6 +12,7 @@ from hftatf.layers import registry
 from hftatf.layers.base import (
     FusedLayer,
     as_one_sample,
+    batch_matmul,
     compiling_with_xla,
     repeat_for_models,
 )
@@ -60,7 +61,8 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
 
     * one model: the stock layer's computation on `x[:, 0]`;
     * inputs with the models first: one batched matmul of each model's
-      rows, `[B, rows, in] @ [B, in, out]`, without a transpose;
+      rows, `[B, rows, in] @ [B, in, out]`, without a transpose (on
+      TensorFlow's Eigen kernel where it is small, see `batch_matmul`);
     * under XLA, inputs `[batch, B, in]`: one einsum (one batched matmul);
     * for TensorFlow's own kernels, inputs `[batch, B, in]`: one batched
       matmul between explicit transposes (its einsum kernel does the same
@@ -153,8 +155,8 @@ def _models_first_products(moved, kernel, bias, finish, contracted,
     # Shapes of the moved tensor, not of the caller's: where a transpose
     # into this layout cancels, so does everything that read it.
     moved_shape = ops.shape(moved)
-    outputs = ops.matmul(ops.reshape(moved, (num_models, -1, size_in)),
-                         kernel)
+    outputs = batch_matmul(ops.reshape(moved, (num_models, -1, size_in)),
+                           kernel)
     outputs = ops.reshape(outputs, (num_models, *moved_shape[1:2 + kept],
                                     *output_dims))
     if bias is not None:
@@ -190,7 +192,7 @@ def _add_bias_by_rows(outputs, bias):
         rows = ops.reshape(upstream, (num_models, -1, math.prod(
             bias.shape[1:])))
         ones = ops.ones((num_models, 1, ops.shape(rows)[1]), upstream.dtype)
-        return upstream, ops.reshape(ops.matmul(ones, rows), bias.shape)
+        return upstream, ops.reshape(batch_matmul(ones, rows), bias.shape)
 
     return outputs + bias, gradient
 

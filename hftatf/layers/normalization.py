@@ -20,7 +20,12 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer, as_one_sample, compiling_with_xla
+from hftatf.layers.base import (
+    FusedLayer,
+    as_one_sample,
+    batch_matmul,
+    compiling_with_xla,
+)
 from hftatf.validation import check_model_axis
 
 __all__ = [
@@ -143,8 +148,8 @@ def _models_first_moments(inputs, num_models):
         if xla:
             total = ops.sum(values, axis=1)
         else:
-            total = ops.squeeze(ops.matmul(
-                ops.ones((1, count), values.dtype), values), 1)
+            total = ops.squeeze(batch_matmul(
+                ops.ones((num_models, 1, count), values.dtype), values), 1)
         return total / ops.cast(count, values.dtype)
 
     average = mean(rows)

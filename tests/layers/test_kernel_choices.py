@@ -5,7 +5,9 @@ inputs with positions takes a broadcasting matmul or a models-first one;
 `FusedEinsumDense` takes the dense products where its equation is a
 matmul, an einsum with a model axis where it is not), under XLA
 or not, per device (convolutions per model on a CPU, folded into the
-channel axis on a GPU or TPU), and for one model (the stock product). Each
+channel axis on a GPU or TPU), and for one model (the stock product).
+Small batched products run on TensorFlow's Eigen kernel on a CPU
+(`base.batch_matmul`), checked against `tf.linalg.matmul`. Each
 choice is checked here against B stock layers, in its own conditions:
 eagerly, inside `tf.function(jit_compile=True)`, and with the accelerator
 rule forced on a CPU.
@@ -38,6 +40,9 @@ from hftatf.layers import (
 )
 
 BATCH = 4
+# TensorFlow's batched matmuls: oneDNN's on a CPU, and the Eigen kernel
+# `base.batch_matmul` picks for small products.
+BATCHED_MATMULS = {"BatchMatMulV2", "BatchMatMulV3"}
 
 
 class UnderXLA:
@@ -146,7 +151,7 @@ def test_dense_rule_follows_the_sizes():
     # Many positions: one broadcasting batched matmul, no copies.
     assert "BatchMatMulV2" in op_types[0] and "Unpack" not in op_types[0]
     # Few: the models moved first, one batched matmul between transposes.
-    assert {"BatchMatMulV2", "Transpose"} <= op_types[1]
+    assert BATCHED_MATMULS & op_types[1] and "Transpose" in op_types[1]
     assert not {"Unpack", "Einsum"} & op_types[1]
 
 
@@ -161,7 +166,7 @@ def test_dense_without_positions_moves_the_models_first(units):
     concrete = graph.get_concrete_function(
         tf.TensorSpec(shape), tf.TensorSpec((2, 64, units)))
     op_types = {op.type for op in concrete.graph.get_operations()}
-    assert {"BatchMatMulV2", "Transpose"} <= op_types
+    assert BATCHED_MATMULS & op_types and "Transpose" in op_types
     assert "Einsum" not in op_types
 
 
@@ -199,6 +204,126 @@ def test_compiling_with_xla_tells_the_trace():
     tf.function(record)(tf.zeros(()))
     record(tf.zeros(()))
     assert seen == [True, False, False]
+
+
+# -- base.batch_matmul -------------------------------------------------------
+
+def products_and_gradients(matmul, adjoint_a, adjoint_b):
+    """A function of `a` and `b`: `matmul(a, b)`, the gradients of a loss
+    of it, and the gradients of a loss of the first gradient."""
+
+    def products(a, b):
+        with tf.GradientTape() as outer:
+            outer.watch([a, b])
+            with tf.GradientTape() as tape:
+                tape.watch([a, b])
+                y = matmul(a, b, adjoint_a=adjoint_a, adjoint_b=adjoint_b)
+                loss = tf.reduce_sum(tf.sin(y))
+            grad_a, grad_b = tape.gradient(loss, [a, b])
+            total = tf.reduce_sum(grad_a * grad_a)
+        return (y, grad_a, grad_b, *outer.gradient(total, [a, b]))
+
+    return products
+
+
+def batched_products(a_shape, b_shape, adjoint_a, adjoint_b, dtype="float32",
+                     jit_compile=False):
+    """`products_and_gradients` of `batch_matmul` as a `tf.function`, and
+    the op types of its graph for inputs of these shapes."""
+    graph = tf.function(products_and_gradients(
+        base.batch_matmul, adjoint_a, adjoint_b), jit_compile=jit_compile)
+    concrete = graph.get_concrete_function(tf.TensorSpec(a_shape, dtype),
+                                           tf.TensorSpec(b_shape, dtype))
+    return graph, {op.type for op in concrete.graph.get_operations()}
+
+
+def operand_shapes(batch, rows, inner, columns, adjoint_a, adjoint_b):
+    return ((*batch, inner, rows) if adjoint_a else (*batch, rows, inner),
+            (*batch, columns, inner) if adjoint_b else (*batch, inner, columns))
+
+
+@pytest.mark.parametrize("adjoint_a", [False, True])
+@pytest.mark.parametrize("adjoint_b", [False, True])
+@pytest.mark.parametrize("batch, rows, inner, columns", [
+    ((3,), 5, 4, 1),        # a one-unit logit: the Eigen kernel at any size
+    ((3,), 5, 4, 6),        # small
+    ((2, 3), 4, 3, 5),      # two batch axes
+])
+def test_batch_matmul_matches_tensorflow(batch, rows, inner, columns,
+                                         adjoint_a, adjoint_b):
+    shapes = operand_shapes(batch, rows, inner, columns, adjoint_a,
+                            adjoint_b)
+    graph, op_types = batched_products(*shapes, adjoint_a, adjoint_b)
+    # Every product, of the gradients too, runs on the Eigen kernel.
+    assert "BatchMatMulV3" in op_types and "BatchMatMulV2" not in op_types
+    rng = np.random.default_rng(3)
+    a, b = (tf.constant(rng.standard_normal(s).astype("float32"))
+            for s in shapes)
+    reference = products_and_gradients(tf.linalg.matmul, adjoint_a,
+                                       adjoint_b)
+    for got, want in zip(graph(a, b), reference(a, b), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_matmul_takes_the_oneDNN_kernel_for_large_products():
+    # 2 x 128 x 64 x 64 = 2**20 multiply-adds, above SMALL_PRODUCT; so are
+    # both gradients.
+    assert 2 * 128 * 64 * 64 > base.SMALL_PRODUCT
+    _, op_types = batched_products((2, 128, 64), (2, 64, 64), False, False)
+    assert "BatchMatMulV2" in op_types and "BatchMatMulV3" not in op_types
+    # At the limit, every product is small.
+    assert 2 * 64 * 64 * 64 == base.SMALL_PRODUCT
+    _, op_types = batched_products((2, 64, 64), (2, 64, 64), False, False)
+    assert "BatchMatMulV3" in op_types and "BatchMatMulV2" not in op_types
+
+
+def test_batch_matmul_runs_large_matrix_vector_products_on_eigen():
+    # [2, 4096, 1024] @ [2, 1024, 1]: the product and the kernel's gradient
+    # (a matrix-vector product too) on the Eigen kernel, the input's
+    # gradient (an outer product of 2**23 multiply-adds) on oneDNN's.
+    @tf.function
+    def first_order(a, b):
+        with tf.GradientTape() as tape:
+            tape.watch([a, b])
+            y = base.batch_matmul(a, b)
+        return y, tape.gradient(y, [a, b])
+
+    concrete = first_order.get_concrete_function(
+        tf.TensorSpec((2, 4096, 1024)), tf.TensorSpec((2, 1024, 1)))
+    kernels = sorted((op.type, tuple(op.outputs[0].shape))
+                     for op in concrete.graph.get_operations()
+                     if op.type.startswith("BatchMatMul"))
+    assert kernels == [("BatchMatMulV2", (2, 4096, 1024)),
+                       ("BatchMatMulV3", (2, 1024, 1)),
+                       ("BatchMatMulV3", (2, 4096, 1))]
+
+
+@pytest.mark.parametrize("a_shape, b_shape, dtype, jit_compile", [
+    ((2, 4, 3), (2, 3, 5), "float32", True),        # XLA
+    ((2, 4, 3), (2, 3, 5), "float16", False),       # other dtypes
+    ((2, 4, 3), (2, 3, 5), "bfloat16", False),
+    ((2, 4, 3), (1, 3, 5), "float32", False),       # broadcast batch axes
+    ((4, 2, 4, 3), (2, 3, 5), "float32", False),
+    ((2, None, 3), (2, 3, 5), "float32", False),    # unknown size
+    ((None, 4, 3), (None, 3, 1), "float32", False),  # unknown batch axes
+])
+def test_batch_matmul_leaves_other_products_to_tensorflow(
+        a_shape, b_shape, dtype, jit_compile):
+    _, op_types = batched_products(a_shape, b_shape, False, False, dtype,
+                                   jit_compile)
+    assert "BatchMatMulV3" not in op_types
+    assert "BatchMatMulV2" in op_types
+
+
+def test_batch_matmul_of_unknown_rows_with_one_column_runs_on_eigen():
+    _, op_types = batched_products((2, None, 3), (2, 3, 1), False, False)
+    assert "BatchMatMulV3" in op_types
+
+
+def test_batch_matmul_leaves_accelerators_to_tensorflow(monkeypatch):
+    monkeypatch.setattr(base, "runs_on_accelerator", lambda: True)
+    _, op_types = batched_products((2, 4, 3), (2, 3, 1), False, False)
+    assert "BatchMatMulV3" not in op_types
 
 
 # -- FusedBatchNormalization -------------------------------------------------
@@ -404,5 +529,5 @@ def test_models_first_bias_gradient_is_a_batched_matmul():
     sums = [op for op in graph.get_operations() if op.type == "Sum"
             and op.inputs[0].shape.rank > 2]
     assert not sums
-    assert any(op.type == "BatchMatMulV2" and op.inputs[0].shape[1] == 1
+    assert any(op.type in BATCHED_MATMULS and op.inputs[0].shape[1] == 1
                for op in graph.get_operations())
