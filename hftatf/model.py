@@ -24,7 +24,11 @@ from hftatf import optimizers as fused_optimizers
 from hftatf import passes, seeds
 from hftatf.api import hftatf_export
 from hftatf.layers import convolutional
-from hftatf.layers.base import broadcast_to_models, runs_on_accelerator
+from hftatf.layers.base import (
+    broadcast_to_models,
+    has_accelerator,
+    runs_on_accelerator,
+)
 from hftatf.validation import check_num_models
 
 
@@ -509,7 +513,7 @@ class FusedModel(keras.Model):
             return False
         if not model_supports_jit(self):
             return False
-        if any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU")):
+        if has_accelerator():
             return True
         # On CPUs, XLA fuses an array's elementwise work and batched matmuls
         # (faster, Transformers included, since their draws take keys

@@ -107,6 +107,12 @@ def runs_on_accelerator():
     if devices:
         return any(tf.DeviceSpec.from_string(device).device_type
                    in _ACCELERATORS for device in devices)
+    return has_accelerator()
+
+
+def has_accelerator():
+    """Whether TensorFlow sees a logical GPU or TPU (where it places a
+    computation that requests no device)."""
     return any(tf.config.list_logical_devices(kind) for kind in _ACCELERATORS)
 
 
@@ -116,9 +122,9 @@ SMALL_PRODUCT = 2**19
 
 
 def batch_matmul(a, b, adjoint_a=False, adjoint_b=False):
-    """`a @ b` for `a` `[..., M, K]` and `b` `[..., K, N]` with the same
-    leading (batch) axes, each operand transposed first where its adjoint
-    flag is set (real dtypes only).
+    """`a @ b` for `a` `[..., M, K]` and `b` `[..., K, N]`, each operand
+    transposed first where its adjoint flag is set (real dtypes only). The
+    leading (batch) axes broadcast as in `tf.linalg.matmul`.
 
     The batched products of small arrays are small: a one-unit logit of 2
     models, `[2, 64, 1024] @ [2, 1024, 1]`, is 131,072 multiply-adds.
@@ -137,7 +143,8 @@ def batch_matmul(a, b, adjoint_a=False, adjoint_b=False):
     its gradients by the same rule for their own sizes: the logit above
     with its gradients took 0.11-0.14 ms instead of 0.29-0.32 ms (0.72
     instead of 0.97-1.0 ms with 16 models). Everything else (XLA, GPUs and
-    TPUs, other dtypes, larger or unknown sizes) is `tf.linalg.matmul`.
+    TPUs, other dtypes, unknown batch axes, larger or unknown sizes) is
+    `tf.linalg.matmul`.
     """
     # Tensors: a variable read inside a custom gradient would need a
     # gradient of its own.
@@ -160,7 +167,8 @@ def batch_matmul(a, b, adjoint_a=False, adjoint_b=False):
                                       adjoint_b=adjoint_a)
             else:
                 grad_b = batch_matmul(a, upstream, adjoint_a=not adjoint_a)
-            return grad_a, grad_b
+            return (_sum_broadcast(grad_a, a.shape),
+                    _sum_broadcast(grad_b, b.shape))
 
         return tf.raw_ops.BatchMatMulV3(x=a, y=b, Tout=a.dtype,
                                         adj_x=adjoint_a,
@@ -173,19 +181,45 @@ def _eigen_product(a, b, adjoint_a, adjoint_b):
     """Whether `batch_matmul` runs the Eigen kernel (see there)."""
     if (a.dtype != tf.float32 or b.dtype != tf.float32
             or a.shape.rank is None or a.shape.rank < 3
-            or a.shape.rank != b.shape.rank
-            or tuple(a.shape[:-2]) != tuple(b.shape[:-2])
-            or None in a.shape[:-2]):
+            or a.shape.rank != b.shape.rank):
         return False
-    rows, inner = tuple(a.shape)[-2:][::-1] if adjoint_a else tuple(
-        a.shape)[-2:]
+    batch = _broadcast_batch(a.shape[:-2], b.shape[:-2])
+    if batch is None:
+        return False
+    rows, inner = a.shape[-2:]
+    if adjoint_a:
+        rows, inner = inner, rows
     columns = b.shape[-2] if adjoint_b else b.shape[-1]
     if compiling_with_xla() or runs_on_accelerator():
         return False
     if columns == 1:
         return True
-    sizes = (*a.shape[:-2], rows, inner, columns)
+    sizes = (*batch, rows, inner, columns)
     return None not in sizes and math.prod(sizes) <= SMALL_PRODUCT
+
+
+def _broadcast_batch(batch_a, batch_b):
+    """The broadcast of two batch shapes of the same rank, each axis equal
+    or 1 in one of them; None where an axis is unknown or they do not
+    broadcast."""
+    batch = []
+    for size_a, size_b in zip(batch_a, batch_b):
+        if size_a is None or size_b is None:
+            return None
+        if size_a != size_b and 1 not in (size_a, size_b):
+            return None
+        batch.append(max(size_a, size_b))
+    return batch
+
+
+def _sum_broadcast(gradient, shape):
+    """`gradient` of a batched product's output, summed over the batch axes
+    that the operand of `shape` broadcast over."""
+    axes = [axis for axis, size in enumerate(shape[:-2])
+            if size == 1 and gradient.shape[axis] != 1]
+    if not axes:
+        return gradient
+    return tf.reduce_sum(gradient, axis=axes, keepdims=True)
 
 
 def repeat_for_models(tensor, num_models):

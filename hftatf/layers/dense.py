@@ -191,7 +191,7 @@ def _add_bias_by_rows(outputs, bias):
         num_models = bias.shape[0]
         rows = ops.reshape(upstream, (num_models, -1, math.prod(
             bias.shape[1:])))
-        ones = ops.ones((num_models, 1, ops.shape(rows)[1]), upstream.dtype)
+        ones = ops.ones((1, 1, ops.shape(rows)[1]), upstream.dtype)
         return upstream, ops.reshape(batch_matmul(ones, rows), bias.shape)
 
     return outputs + bias, gradient

@@ -149,7 +149,7 @@ def _models_first_moments(inputs, num_models):
             total = ops.sum(values, axis=1)
         else:
             total = ops.squeeze(batch_matmul(
-                ops.ones((num_models, 1, count), values.dtype), values), 1)
+                ops.ones((1, 1, count), values.dtype), values), 1)
         return total / ops.cast(count, values.dtype)
 
     average = mean(rows)

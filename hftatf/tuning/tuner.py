@@ -17,7 +17,6 @@ import traceback
 
 import keras
 import keras_tuner
-import tensorflow as tf
 from keras_tuner.src import errors as tuner_errors
 from keras_tuner.src import utils as tuner_utils_io
 from keras_tuner.src.distribute import utils as dist_utils
@@ -26,6 +25,7 @@ from keras_tuner.src.engine import tuner as tuner_module
 from keras_tuner.src.engine import tuner_utils
 
 from hftatf import callbacks as fused_callbacks
+from hftatf.layers.base import has_accelerator
 from hftatf.tuning import arrays, sizing
 
 __all__ = ["FusedBayesianOptimization", "FusedHyperband", "FusedRandomSearch",
@@ -491,9 +491,7 @@ class FusedTuner(keras_tuner.Tuner):
 def _resolve_jit_compile(jit_compile):
     if jit_compile != "auto":
         return jit_compile
-    accelerated = any(tf.config.list_logical_devices(kind)
-                      for kind in ("GPU", "TPU"))
-    return "auto" if accelerated else False
+    return "auto" if has_accelerator() else False
 
 
 def _continuable(group):
