@@ -44,8 +44,8 @@ setuptools.setup(
         "tpu": ["pyyaml>=5.1"],
         # `hftatf.tuning`: keras-tuner tuners that train arrays.
         "tune": ["keras-tuner>=1.4,<2", "pyyaml>=5.1"],
-        "dev": ["pytest>=8", "ruff>=0.6", "scikit-learn>=1.4", "pyyaml>=5.1",
-                "keras-tuner>=1.4,<2"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.5,<4", "ruff>=0.6",
+                "scikit-learn>=1.4", "pyyaml>=5.1", "keras-tuner>=1.4,<2"],
     },
     entry_points={
         "console_scripts": ["hftatf-train = hftatf.tpu.train:run",

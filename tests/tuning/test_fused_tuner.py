@@ -14,6 +14,10 @@ from hftatf.tuning import arrays
 (X, Y), (X_VAL, Y_VAL) = data.digits()
 X, Y, X_VAL, Y_VAL = X[:480], Y[:480], X_VAL[:160], Y_VAL[:160]
 EPOCHS = 3
+# In one test process (`--dist loadgroup`): the searches are a module
+# fixture of a minute.
+pytestmark = pytest.mark.xdist_group("searches")
+
 MAX_TRIALS = 6
 
 
