@@ -91,23 +91,26 @@ def runs_on_accelerator():
     The device rule of the layers' kernel choices:
     1. under a `tf.distribute` strategy, whether the strategy's worker
        devices are GPUs or TPUs;
-    2. otherwise, the device the call is placed on: a `tf.device` scope
+    2. otherwise, on a machine where TensorFlow sees no GPU or TPU, never
+       (and nothing is placed to find out: free in eager layer calls too);
+    3. otherwise, the device the call is placed on: a `tf.device` scope
        while tracing a graph, the device an eager op runs on when eager;
-    3. with no placement requested (a graph traced outside any device
-       scope), whether TensorFlow sees a logical GPU or TPU (it then places
-       the computation there).
+       with no placement requested (a graph traced outside any device
+       scope), the accelerator TensorFlow then places the computation on.
     """
     if tf.distribute.has_strategy():
-        devices = list(tf.distribute.get_strategy().extended.worker_devices)
-    else:
-        # An eager op reports the device it ran on, a graph op the device its
-        # scope requests ("" when no scope does).
-        placed = tf.identity(tf.zeros(())).device
-        devices = [placed] if placed else []
-    if devices:
-        return any(tf.DeviceSpec.from_string(device).device_type
-                   in _ACCELERATORS for device in devices)
-    return has_accelerator()
+        return any(_is_accelerator(device) for device
+                   in tf.distribute.get_strategy().extended.worker_devices)
+    if not has_accelerator():
+        return False
+    # An eager op reports the device it ran on, a graph op the device its
+    # scope requests ("" when no scope does).
+    placed = tf.identity(tf.zeros(())).device
+    return not placed or _is_accelerator(placed)
+
+
+def _is_accelerator(device):
+    return tf.DeviceSpec.from_string(device).device_type in _ACCELERATORS
 
 
 def has_accelerator():

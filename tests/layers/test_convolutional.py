@@ -425,6 +425,18 @@ def test_auto_rule_reads_the_placement(monkeypatch):
     assert not traced["/CPU:0"] and not traced["eager"]
 
 
+def test_auto_rule_places_nothing_on_a_machine_without_accelerators():
+    # Eager layer calls ask on every call: without a GPU or TPU to tell
+    # apart, the rule adds no op to find out.
+    def trace():
+        graph = tf.compat.v1.get_default_graph()
+        before = len(graph.get_operations())
+        assert not runs_on_accelerator()
+        assert len(graph.get_operations()) == before
+
+    tf.function(trace).get_concrete_function()
+
+
 # -- Initialisation: every slice is a separate stock kernel. ----------------
 
 
