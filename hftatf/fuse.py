@@ -136,11 +136,14 @@ class _Walker:
     are still shared by all models (`[batch, ...]`) and, with
     `models_first`, which have the models first (`[B, batch, ...]`).
 
-    With `models_first`, a convolution computes with the models first when
-    its input has them first or every layer that reads its output can take
-    them so; another layer that can computes with the models first when one
-    of its inputs has them first. Every other layer, and the array's
-    outputs, get `[batch, B, ...]` (one `SwapModelAxis` per tensor)."""
+    With `models_first`, a layer that can computes with the models first
+    when one of its inputs has them first, or when every layer that reads
+    its output can take them so and it prefers them (a convolution) or
+    leads to a layer that computes so by this rule (a `Dense`, normalization
+    and reshape in front of a generator's first convolution: the models go
+    first once, at the `Dense`'s input, instead of out of and back into
+    the `Dense`'s products). Every other layer, and the array's outputs, get
+    `[batch, B, ...]` (one `SwapModelAxis` per tensor)."""
 
     def __init__(self, num_models, models_first=False):
         self.num_models = num_models
@@ -151,6 +154,7 @@ class _Walker:
         self._swapped = {}  # id(tensor) -> (tensor, axes 0 and 1 swapped)
         self._layouts = {}  # id(stock layer) -> models first
         self._feeds_models_first = {}  # id(stock layer) -> bool
+        self._leads_models_first = {}  # id(stock layer) -> bool
         self._fused = {}  # id(stock layer) -> fused layer
         self._stock_copies = {}  # id(stock layer) -> copy for shared inputs
         # (id(shared tensor), models first) -> (tensor, broadcast)
@@ -231,14 +235,19 @@ class _Walker:
     def _find_consumers(self, model):
         """For every layer of `model`, whether every layer that reads its
         outputs can take them with the models first (not so for the
-        model's outputs)."""
+        model's outputs), and whether one of them wants them so."""
         feeds = self._feeds_models_first
+        leads = self._leads_models_first
         if isinstance(model, keras.Sequential):
-            layers = list(model.layers)
-            for layer, consumer in zip(layers, layers[1:] + [None]):
+            pairs = list(zip(model.layers, model.layers[1:] + [None]))
+            for layer, consumer in pairs:
                 feeds[id(layer)] = feeds.get(id(layer), True) and (
                     consumer is not None and self._takes_models_first(
                         consumer))
+            for layer, consumer in reversed(pairs):
+                leads[id(layer)] = leads.get(id(layer), False) or (
+                    consumer is not None
+                    and self._wants_models_first(consumer))
             return
         for nodes in model._nodes_by_depth.values():
             for node in nodes:
@@ -249,6 +258,22 @@ class _Walker:
                                                     True) and takes
         for tensor in keras.tree.flatten(model.outputs):
             feeds[id(tensor._keras_history.operation)] = False
+        # From the outputs to the inputs: a node's readers are at smaller
+        # depths, so whether they want the models first is known.
+        for depth in sorted(model._nodes_by_depth):
+            for node in model._nodes_by_depth[depth]:
+                wants = self._wants_models_first(node.operation)
+                for tensor in node.input_tensors:
+                    producer = id(tensor._keras_history.operation)
+                    leads[producer] = leads.get(producer, False) or wants
+
+    def _wants_models_first(self, layer):
+        """Whether `layer` computes with the models first even where its
+        inputs do not have them first (see the class docstring)."""
+        return (self._takes_models_first(layer)
+                and self._feeds_models_first.get(id(layer), False)
+                and (registry.fused_form(layer).prefers_models_first
+                     or self._leads_models_first.get(id(layer), False)))
 
     def _runs_models_first(self, layer, tensors):
         """Whether the fused form of `layer`, called on `tensors`,
@@ -256,8 +281,7 @@ class _Walker:
         if id(layer) not in self._layouts:
             first = self._takes_models_first(layer) and (
                 any(self._has_models_first(t) for t in tensors)
-                or (registry.fused_form(layer).prefers_models_first
-                    and self._feeds_models_first.get(id(layer), False)))
+                or self._wants_models_first(layer))
             self._layouts[id(layer)] = first
         return self._layouts[id(layer)]
 

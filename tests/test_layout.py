@@ -315,6 +315,59 @@ def test_fuse_keeps_the_models_first_from_convolution_to_the_output():
                                    for layer in batch_first.layers}
 
 
+def generator_model():
+    inputs = keras.Input((6,))
+    x = keras.layers.Dense(4 * 4 * 3, use_bias=False)(inputs)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.Reshape((4, 4, 3))(x)
+    x = keras.layers.Conv2DTranspose(2, 3, strides=2, padding="same")(x)
+    x = keras.layers.ReLU()(x)
+    outputs = keras.layers.Conv2D(1, 3, padding="same")(x)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_layers_in_front_of_a_convolution_take_the_models_first(shared):
+    model = generator_model()
+    array = hftatf.fuse(model, B, shared_inputs=shared,
+                        layout="models_first")
+    layouts = _layouts(array)
+    assert layouts[("FusedDense", True)] == 1
+    assert layouts[("FusedBatchNormalization", True)] == 1
+    assert layouts[("FusedFold", True)] == 3     # ReLU, Reshape, ReLU
+    assert layouts[("FusedFold", False)] == 0
+    assert layouts[("FusedConv2DTranspose", True)] == 1
+    assert layouts[("FusedConv2D", True)] == 1
+    # The models go first once, in front of the Dense (a shared input needs
+    # no move), and back once, for the array's output.
+    assert layouts[("SwapModelAxis", True)] == (0 if shared else 1)
+    assert layouts[("SwapModelAxis", False)] == 1
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 6) if shared else (5, B, 6)).astype(
+        "float32")
+    predictions = array.predict(x, verbose=0)
+    for b, stock in enumerate(array.unfuse()):
+        assert_close(stock.predict(x if shared else x[:, b], verbose=0),
+                     predictions[:, b])
+
+
+def test_layers_that_also_feed_the_output_keep_the_models_second():
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(4 * 4 * 3)(inputs)
+    images = keras.layers.Conv2D(2, 3, padding="same")(
+        keras.layers.Reshape((4, 4, 3))(hidden))
+    images = keras.layers.ReLU()(images)
+    array = hftatf.fuse(keras.Model(inputs, [hidden, images]), B,
+                        shared_inputs=False, layout="models_first")
+    layouts = _layouts(array)
+    # The Dense's output is the array's too: it stays `[batch, B, ...]`,
+    # and what follows it moves the models first.
+    assert layouts[("FusedDense", False)] == 1
+    assert layouts[("FusedFold", True)] == 2     # Reshape, ReLU
+    assert layouts[("FusedConv2D", True)] == 1
+
+
 def test_models_first_array_trains_saves_and_unfuses_as_batch_first():
     model = resnet_block_model()
     first = hftatf.fuse(model, B, layout="models_first")
