@@ -51,10 +51,12 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         model_class: the `FusedModel` subclass to build.
         layout: how activations between the array's layers are laid out:
             `"batch_first"`, `[batch, B, ...]` everywhere; `"models_first"`,
-            `[B, batch, ...]` from each convolution through the layers that
-            compute in that layout too (batch normalization, activations,
-            dropout, merges, padding, pooling, dense layers), back to
-            `[batch, B, ...]` before any other layer; `"auto"` (the
+            `[B, batch, ...]` from each convolution (or from the first of
+            the layers in front of it that compute in that layout too)
+            through the layers that compute in that layout too (batch
+            normalization, activations, dropout, merges, reshapes,
+            padding, pooling, dense layers), back to `[batch, B, ...]`
+            before any other layer; `"auto"` (the
             default), models first on a CPU, where convolutions run per
             model and their per-model slices of `[B, batch, ...]` are
             views, not copies, and batch first on a GPU or TPU and for
