@@ -12,7 +12,7 @@ def readme_commands():
 
 MAIN_JOB = 'python -m pip install -e ".[data]" && hftatf-train'
 TESTS = ('python -m pip install -e ".[dev]" && '
-         "python -m pytest -n auto --dist loadgroup")
+         "python -m pytest -n auto --maxprocesses 4 --dist loadgroup")
 
 
 def test_readme_has_the_two_setup_commands():
