@@ -8,7 +8,12 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
-from testing import assert_close, compare_layer_with_stock, stacked_weights
+from testing import (
+    BATCHED_MATMULS,
+    assert_close,
+    compare_layer_with_stock,
+    stacked_weights,
+)
 
 import hftatf
 from hftatf import layers as fused_layers
@@ -107,8 +112,7 @@ def test_dense_with_models_first_is_one_product_without_transposes():
         tf.TensorSpec((B, 8, 5, 6))).graph
     op_types = [op.type for op in graph.get_operations()]
     # One batched matmul (oneDNN's, or the Eigen one for small products).
-    assert sum(op_types.count(t) for t in ("BatchMatMulV2",
-                                           "BatchMatMulV3")) == 1
+    assert sum(op_types.count(t) for t in BATCHED_MATMULS) == 1
     assert "Transpose" not in op_types
 
 

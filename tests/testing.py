@@ -10,6 +10,10 @@ from tensorflow.python.eager import context
 ATOL = 1e-5
 RTOL = 1e-5
 
+# TensorFlow's batched matmuls: oneDNN's on a CPU, and the Eigen kernel
+# `hftatf.layers.base.batch_matmul` picks for small products.
+BATCHED_MATMULS = frozenset({"BatchMatMulV2", "BatchMatMulV3"})
+
 
 def moment_tolerance(a, b, num_sd=4.0):
     """Tolerance on `var(a) / var(b) - 1` for two independent samples of

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from testing import (
+    BATCHED_MATMULS,
     compare_layer_with_stock,
     optimized_transposes,
     randomize_weights,
@@ -40,9 +41,6 @@ from hftatf.layers import (
 )
 
 BATCH = 4
-# TensorFlow's batched matmuls: oneDNN's on a CPU, and the Eigen kernel
-# `base.batch_matmul` picks for small products.
-BATCHED_MATMULS = {"BatchMatMulV2", "BatchMatMulV3"}
 
 
 class UnderXLA:
