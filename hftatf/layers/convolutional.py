@@ -318,12 +318,14 @@ class _FusedConvolution(FusedLayer):
             if biases[index] is not None:
                 bias = ops.reshape(biases[index],
                                    (1,) * (self.rank + 1) + (-1,))
-                # As the stock layer adds its bias (a TensorFlow BiasAdd),
-                # except on a shared input: there TensorFlow's CPU graph
-                # optimizer fuses each BiasAdd gradient into a filter
-                # gradient of the same input, and can pair them across
-                # models (the biases then train wrongly).
-                y = y + bias if shared else ops.add(y, bias)
+                # An AddV2, not the stock layer's BiasAdd: TensorFlow's CPU
+                # graph optimizer fuses a BiasAdd's gradient into a filter
+                # gradient that reads the same output gradient, and where
+                # the models' output gradients are the outputs of one op
+                # (an unstack) it can pair them across models: the biases
+                # then train with another model's gradient, in some
+                # processes and not others.
+                y = y + bias
             outputs.append(y)
         if self.num_models == 1:
             return ops.expand_dims(outputs[0], self.model_axis)
