@@ -37,6 +37,7 @@ from keras.src.losses.loss import (
 
 from hftatf import optimizers as fused_optimizers
 from hftatf.api import hftatf_export
+from hftatf.layers.base import stack_models
 from hftatf.model import FusedModel, PerModelMean
 from hftatf.models import data, recipes
 
@@ -493,9 +494,10 @@ class FusedGAN(FusedModel):
         image_shape = tuple(self.discriminator.input_shape[2:])
         batch_size = ops.shape(images)[0]
         if tuple(images.shape[1:]) == image_shape:
-            images = ops.broadcast_to(
-                ops.expand_dims(images, 1),
-                (batch_size, self.num_models, *image_shape))
+            # B copies of the shared batch, stacked: the discriminator's
+            # per-model convolutions read the batch itself (`model_pieces`).
+            images = stack_models(
+                [ops.cast(images, self.compute_dtype)] * self.num_models, 1)
         elif tuple(images.shape[1:]) != (self.num_models, *image_shape):
             raise ValueError(
                 f"FusedGAN expects real images of shape [batch, "

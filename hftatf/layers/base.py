@@ -231,6 +231,64 @@ def repeat_for_models(tensor, num_models):
     return ops.repeat(ops.expand_dims(tensor, 1), num_models, axis=1)
 
 
+def stacked_pieces(tensor, num_models, axis):
+    """The B per-model tensors that `tensor` was stacked from on the model
+    `axis`, in a traced graph; None where it was made otherwise (or
+    eagerly, where tensors keep no record of their op).
+
+    A per-model computation (B stock convolutions on a CPU) stacks its
+    results into one `[B, ...]` tensor for the array's next layer. Where
+    that layer computes per model too (the next convolution, an
+    activation, a normalization), it takes the pieces themselves: the
+    stacked copy then has no reader and TensorFlow never computes it, and
+    the backward pass needs no stacked gradient either. On a CPU each
+    stack is a copy of the activations (and one of their gradients).
+    """
+    if num_models == 1 or not isinstance(tensor, tf.Tensor) or (
+            tf.executing_eagerly()):
+        return None
+    op = getattr(tensor, "op", None)
+    if op is None or op.type != "Pack" or len(op.inputs) != num_models:
+        return None
+    stacked_axis = op.get_attr("axis")
+    if stacked_axis < 0:
+        if tensor.shape.rank is None:
+            return None
+        stacked_axis += tensor.shape.rank
+    return list(op.inputs) if stacked_axis == axis else None
+
+
+def model_pieces(tensor, num_models, axis):
+    """The B per-model tensors of `tensor` (the model axis `axis` dropped):
+    those it was stacked from where it was (`stacked_pieces`), its slices
+    otherwise. Slices along the leading axis are views; along another
+    axis, copies."""
+    pieces = stacked_pieces(tensor, num_models, axis)
+    if pieces is not None:
+        return pieces
+    if num_models == 1:
+        return [ops.squeeze(tensor, axis)]
+    return ops.unstack(tensor, axis=axis)
+
+
+def stack_models(pieces, axis):
+    """Inverse of `model_pieces`: the per-model tensors, stacked on the
+    model `axis` (read back as pieces by the next per-model layer)."""
+    if len(pieces) == 1:
+        return ops.expand_dims(pieces[0], axis)
+    return ops.stack(pieces, axis=axis)
+
+
+def map_pieces(function, tensor, num_models, axis):
+    """`function` (element-wise, or per sample) on `tensor`: on each of
+    its pieces where it was stacked from them (`stacked_pieces`), then
+    stacked again; on `tensor` itself otherwise."""
+    pieces = stacked_pieces(tensor, num_models, axis)
+    if pieces is None:
+        return function(tensor)
+    return stack_models([function(piece) for piece in pieces], axis)
+
+
 def broadcast_to_models(values, ndim):
     """Reshapes a `[B]` vector to `[B, 1, ..., 1]` of rank `ndim`."""
     return ops.reshape(values, (-1,) + (1,) * (ndim - 1))

@@ -70,7 +70,13 @@ from keras.src.utils.argument_validation import (
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer, runs_on_accelerator
+from hftatf.layers.base import (
+    FusedLayer,
+    map_pieces,
+    model_pieces,
+    runs_on_accelerator,
+    stack_models,
+)
 from hftatf.validation import check_model_axis
 
 __all__ = [
@@ -298,14 +304,12 @@ class _FusedConvolution(FusedLayer):
 
         The slices come from one `unstack` (and go back with one `stack`),
         whose gradients are one `stack` and one `unstack`: slicing `x[:, b]`
-        B times would cost B gradients of the size of the whole input.
+        B times would cost B gradients of the size of the whole input. An
+        input stacked by a per-model layer gives its pieces instead
+        (`model_pieces`): no copy either way.
         """
         def unstack(x, axis):
-            # One model: a reshape, not a copy. Unstacking axis 0 takes
-            # views of `x`; any other axis copies.
-            if self.num_models == 1:
-                return [ops.squeeze(x, axis)]
-            return ops.unstack(x, axis=axis)
+            return model_pieces(x, self.num_models, axis)
 
         per_kernel = [unstack(kernel, 0) for kernel in kernels]
         biases = (unstack(self.bias, 0) if self.bias is not None
@@ -327,9 +331,7 @@ class _FusedConvolution(FusedLayer):
                 # processes and not others.
                 y = y + bias
             outputs.append(y)
-        if self.num_models == 1:
-            return ops.expand_dims(outputs[0], self.model_axis)
-        return ops.stack(outputs, axis=self.model_axis)
+        return stack_models(outputs, self.model_axis)
 
     def _fold(self, inputs):
         """The input folded for one kernel over all models: `[batch,
@@ -351,9 +353,10 @@ class _FusedConvolution(FusedLayer):
             self.bias, (1,) * (self.rank + 1) + (-1,)))
 
     def _activate(self, outputs):
-        if self.activation is not None:
-            outputs = self.activation(outputs)
-        return outputs
+        if self.activation is None:
+            return outputs
+        return map_pieces(self.activation, outputs, self.num_models,
+                          self.model_axis)
 
     def _conv_arguments(self, padding=None):
         return {

@@ -19,7 +19,12 @@ from keras.src.random.seed_generator import draw_seed
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import repeat_for_models
+from hftatf.layers.base import (
+    model_pieces,
+    repeat_for_models,
+    stack_models,
+    stacked_pieces,
+)
 from hftatf.validation import check_model_axis, check_num_models, model_axis_of
 
 # Stock layers without weights that treat every sample on its own.
@@ -132,7 +137,14 @@ def _dropout_models_first(layer, inputs, num_models, training):
         keep = ops.reshape(keep, (shape[1], num_models, *noise_shape[1:]))
         keep = ops.swapaxes(keep, 0, 1)
     scale = tf.convert_to_tensor(1 / (1 - layer.rate), dtype=inputs.dtype)
-    return tf.where(keep, inputs * scale, tf.zeros((), inputs.dtype))
+    zero = tf.zeros((), inputs.dtype)
+    pieces = stacked_pieces(inputs, num_models, 0)
+    if pieces is None:
+        return tf.where(keep, inputs * scale, zero)
+    keeps = (model_pieces(keep, num_models, 0) if keep.shape[0] == num_models
+             else [ops.squeeze(keep, 0)] * num_models)
+    return stack_models([tf.where(k, piece * scale, zero)
+                         for k, piece in zip(keeps, pieces)], 0)
 
 
 def _draws_models_first(layer):
@@ -162,6 +174,12 @@ def _unfold_tensors(structure, num_models, models_first=False):
     unfold = unfold_to_models_first if models_first else unfold_model_axis
     return keras.tree.map_structure(
         lambda y: unfold(y, num_models) if _is_tensor(y) else y, structure)
+
+
+def _no_mask(mask):
+    """Whether `mask` masks nothing (a merge gets one None per input)."""
+    return mask is None or (isinstance(mask, (list, tuple))
+                            and all(m is None for m in mask))
 
 
 def _is_tensor(x):
@@ -268,12 +286,37 @@ class FusedFold(keras.layers.Wrapper):
         kwargs = {}
         if self.layer._call_has_training_arg and training is not None:
             kwargs["training"] = training
+        if _no_mask(mask) and not has_random_state(self.layer):
+            per_model = self._per_model_inputs(inputs)
+            if per_model is not None:
+                # Stacked by a per-model layer: the stock layer on each
+                # model's pieces, which a next per-model layer takes.
+                return keras.tree.map_structure(
+                    lambda *pieces: stack_models(
+                        list(pieces), model_axis_of(self.models_first)),
+                    *[self.layer(x, **kwargs) for x in per_model])
         if mask is not None and self.layer._call_has_mask_arg:
             kwargs["mask"] = keras.tree.map_structure(
                 lambda m: None if m is None else fold_model_axis(m), mask)
         outputs = self.layer(_fold_tensors(
             inputs, self.name, self.num_models, self.models_first), **kwargs)
         return self._unfold(outputs)
+
+    def _per_model_inputs(self, inputs):
+        """Model `b`'s inputs for every `b`, where an input was stacked by a
+        per-model layer (`stacked_pieces`) and the others can be sliced
+        without a copy (the models first, or stacked too); None
+        otherwise."""
+        axis = model_axis_of(self.models_first)
+        tensors = keras.tree.flatten(inputs)
+        stacked = [stacked_pieces(t, self.num_models, axis) for t in tensors]
+        if all(p is None for p in stacked) or (
+                axis != 0 and any(p is None for p in stacked)):
+            return None
+        pieces = [model_pieces(t, self.num_models, axis) if p is None else p
+                  for t, p in zip(tensors, stacked)]
+        return [keras.tree.pack_sequence_as(inputs, [p[b] for p in pieces])
+                for b in range(self.num_models)]
 
     def compute_mask(self, inputs, mask=None):
         if not self.supports_masking and mask is None:
@@ -444,6 +487,13 @@ class SwapModelAxis(keras.layers.Layer):
             models_first)
 
     def call(self, inputs):
+        # A tensor stacked on one of the two axes (by a per-model layer, or
+        # from B copies of a shared one) is stacked on the other instead:
+        # a per-model layer then reads the pieces with no transpose at all.
+        for axis in (0, 1):
+            pieces = stacked_pieces(inputs, inputs.shape[axis], axis)
+            if pieces is not None:
+                return stack_models(pieces, 1 - axis)
         return ops.swapaxes(inputs, 0, 1)
 
     def compute_mask(self, inputs, mask=None):

@@ -25,6 +25,8 @@ from hftatf.layers.base import (
     as_one_sample,
     batch_matmul,
     compiling_with_xla,
+    stack_models,
+    stacked_pieces,
 )
 from hftatf.validation import check_model_axis
 
@@ -474,6 +476,14 @@ class FusedBatchNormalization(AffineNormalization):
     def _channels_last(self, inputs):
         return self._channel_axis == len(inputs.shape) - 1
 
+    def _pieces(self, inputs):
+        """Each model's `[batch, ..., C]` where a per-model layer stacked
+        `inputs` from them (`stacked_pieces`): the stock layer's arithmetic
+        then runs on each, with no stacked copy of the activations."""
+        if not self._channels_last(inputs) or self.synchronized:
+            return None
+        return stacked_pieces(inputs, self.num_models, self.model_axis)
+
     def _normalize(self, inputs, mean, variance, gamma, beta):
         # The arithmetic of `tf.nn.batch_normalization`, which the stock
         # layer calls, on `[B, C]` statistics.
@@ -481,6 +491,14 @@ class FusedBatchNormalization(AffineNormalization):
         if gamma is not None:
             inv = inv * gamma
         shift = -mean * inv if beta is None else beta - mean * inv
+        pieces = self._pieces(inputs)
+        if pieces is not None:
+            return stack_models([
+                ops.reshape(_stock_rows(piece) * scale + offset,
+                            ops.shape(piece))
+                for piece, scale, offset in zip(
+                    pieces, ops.unstack(inv), ops.unstack(shift))],
+                self.model_axis)
         if self._channels_last(inputs) and self.num_models == 1:
             outputs = _stock_rows(inputs) * inv[0] + shift[0]
             return ops.reshape(outputs, ops.shape(inputs))
@@ -499,6 +517,11 @@ class FusedBatchNormalization(AffineNormalization):
     def _moments(self, inputs, mask):
         """Each model's batch mean and variance, `[B, C]` each."""
         axes = self._reduction_axes
+        pieces = None if mask is not None else self._pieces(inputs)
+        if pieces is not None:
+            moments = [ops.moments(_stock_rows(piece), axes=[0])
+                       for piece in pieces]
+            return tuple(ops.stack(statistic) for statistic in zip(*moments))
         if mask is None and not self.synchronized and self._channels_last(
                 inputs):
             if self.models_first and self.num_models > 1:

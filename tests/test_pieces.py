@@ -1,0 +1,200 @@
+"""Per-model layers that hand each other their pieces: a tensor stacked from
+B per-model results is read back as those results, so that the stacked
+copy (and its gradient) is never computed between two per-model layers."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from keras import ops
+from testing import assert_close, optimized_transposes
+
+import hftatf
+from hftatf.layers import base, fold, normalization
+from hftatf.layers.fold import SwapModelAxis
+
+B = 3
+BATCH = 6
+
+
+def test_stacked_pieces_are_the_stacked_tensors_in_a_graph():
+    found = {}
+
+    @tf.function
+    def trace(x, y, z):
+        stacked = tf.stack([x, y, z], axis=1)
+        found["axis 1"] = base.stacked_pieces(stacked, 3, 1)
+        found["axis 0"] = base.stacked_pieces(stacked, 3, 0)
+        found["two models"] = base.stacked_pieces(stacked, 2, 1)
+        found["copy"] = base.stacked_pieces(tf.identity(stacked), 3, 1)
+        found["negative axis"] = base.stacked_pieces(
+            tf.stack([x, y, z], axis=-2), 3, 1)
+        found["pieces"] = base.model_pieces(stacked, 3, 1)
+        return stacked
+
+    x, y, z = (tf.fill((BATCH, 2), float(v)) for v in range(3))
+    trace(x, y, z)
+    graph_inputs = trace.get_concrete_function(x, y, z).graph.inputs[:3]
+    assert found["axis 1"] == graph_inputs
+    assert found["pieces"] == graph_inputs
+    assert found["negative axis"] == graph_inputs
+    assert found["axis 0"] is None
+    assert found["two models"] is None
+    assert found["copy"] is None
+
+
+def test_eager_tensors_are_sliced():
+    stacked = tf.stack([tf.fill((BATCH, 2), float(v)) for v in range(B)])
+    assert base.stacked_pieces(stacked, B, 0) is None
+    pieces = base.model_pieces(stacked, B, 0)
+    for b, piece in enumerate(pieces):
+        np.testing.assert_array_equal(piece, np.full((BATCH, 2), b))
+    one = base.model_pieces(stacked[:1], 1, 0)
+    assert len(one) == 1 and tuple(one[0].shape) == (BATCH, 2)
+
+
+def chain_model(rate=0.3):
+    """Per-model convolutions with every kind of layer between them that
+    reads pieces: normalization, activations, dropout, a merge."""
+    inputs = keras.Input((7, 7, 2))
+    x = keras.layers.Conv2D(5, 3, padding="same", use_bias=False)(inputs)
+    x = keras.layers.BatchNormalization(momentum=0.8)(x)
+    x = keras.layers.LeakyReLU(0.2)(x)
+    shortcut = x
+    x = keras.layers.Conv2D(5, 3, padding="same", activation="tanh")(x)
+    x = keras.layers.Dropout(rate, seed=4)(x)
+    x = keras.layers.Add()([x, shortcut])
+    x = keras.layers.Conv2DTranspose(4, 3, strides=2, use_bias=False)(x)
+    x = keras.layers.BatchNormalization()(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    outputs = keras.layers.Dense(3)(x)
+    return keras.Model(inputs, outputs)
+
+
+def _without_pieces(monkeypatch):
+    """The array's layers as they compute without reading pieces."""
+    for module in (base, fold, normalization):
+        monkeypatch.setattr(module, "stacked_pieces",
+                            lambda *args, **kwargs: None)
+
+
+def _training_step(array):
+    """A traced forward and backward pass of `array` in training: its
+    outputs and the gradients of its weights."""
+    variables = array.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            outputs = array(x, training=True)
+            loss = ops.sum(ops.square(outputs - y))
+        return outputs, tape.gradient(loss, variables)
+
+    return step
+
+
+def _stacked_activations(array, x, y):
+    """The stacked activations and activation gradients a training step
+    computes: `Pack`s that its results or variable updates need, shaped as
+    one `[B, batch, ...]` activation of the models-first layout."""
+    graph = _training_step(array).get_concrete_function(x, y).graph
+    # What TensorFlow runs: the ops the results and the variable updates
+    # need (the rest of the traced graph is pruned).
+    live, pending = set(), [t.op for t in graph.outputs] + list(
+        graph.control_outputs)
+    while pending:
+        op = pending.pop()
+        if op not in live:
+            live.add(op)
+            pending.extend(t.op for t in op.inputs)
+            pending.extend(op.control_inputs)
+    return [op.name for op in live
+            if op.type == "Pack" and len(op.outputs[0].shape) >= 3
+            and tuple(op.outputs[0].shape[:2]) == (B, BATCH)]
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((BATCH, 7, 7, 2)).astype("float32")
+    y = rng.standard_normal((BATCH, B, 3)).astype("float32")
+    return x, y
+
+
+def test_per_model_layers_stack_nothing_between_them(monkeypatch):
+    array = hftatf.fuse(chain_model(), B, layout="models_first")
+    x, y = _data()
+    # Between the first convolution and the pooling every layer computes
+    # per model: the one stacked activation is the pooled one the Dense
+    # reads, and no gradient is stacked.
+    stacked = _stacked_activations(array, x, y)
+    assert len(stacked) == 1, stacked
+    assert "global_average_pooling2d" in stacked[0]
+    # Stacking each convolution's output and the gradients of the inputs
+    # of the last two: five copies of activations.
+    _without_pieces(monkeypatch)
+    unpieced = hftatf.fuse(chain_model(), B, layout="models_first")
+    assert len(_stacked_activations(unpieced, x, y)) == 5
+
+
+@pytest.mark.parametrize("layout", ["models_first", "batch_first"])
+def test_an_array_reading_pieces_trains_as_its_stock_models(layout):
+    keras.utils.set_random_seed(3)
+    # No dropout against the oracle: a stock model draws masks of its own
+    # (the array's are checked against its other path below).
+    stock = [chain_model(rate=0.0) for _ in range(B)]
+    array = hftatf.fuse_models(stock, layout=layout)
+    x, y = _data(1)
+    for model in stock:
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    array.compile(optimizer=hftatf.optimizers.SGD(0.05), loss="mse")
+    array.fit(x, y, batch_size=3, epochs=2, shuffle=False, verbose=0)
+    for b, model in enumerate(stock):
+        model.fit(x, y[:, b], batch_size=3, epochs=2, shuffle=False,
+                  verbose=0)
+    # Every weight, the moving statistics of the normalizations included.
+    for b, model in enumerate(stock):
+        for ours, theirs in zip(array.unfuse()[b].get_weights(),
+                                model.get_weights()):
+            assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_reading_pieces_computes_what_the_stacked_layers_compute(
+        monkeypatch):
+    x, y = _data(2)
+    keras.utils.set_random_seed(5)
+    model = chain_model()
+
+    def run(array):
+        # Two training passes (the dropouts draw from equal seeds: the
+        # same masks), then the weights with the moving statistics.
+        step = _training_step(array)
+        return keras.tree.flatten([step(x, y), step(x, y),
+                                   array.get_weights()])
+
+    pieced = hftatf.fuse(model, B, layout="models_first")
+    weights = pieced.get_weights()
+    ours = run(pieced)
+    _without_pieces(monkeypatch)
+    stacked = hftatf.fuse(model, B, layout="models_first")
+    stacked.set_weights(weights)
+    theirs = run(stacked)
+    assert len(ours) == len(theirs)
+    for value, expected in zip(ours, theirs):
+        assert_close(value, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_swapping_a_stacked_tensor_stacks_it_on_the_other_axis():
+    pieces = [tf.fill((BATCH, 4), float(b)) for b in range(B)]
+    swap = SwapModelAxis()
+
+    @tf.function
+    def call(*pieces):
+        return swap(tf.stack(pieces, axis=1))
+
+    outputs = call(*pieces)
+    np.testing.assert_array_equal(outputs, tf.stack(pieces, axis=0))
+    assert optimized_transposes(call, *pieces) == 0
+    # Anything else is transposed.
+    x = tf.reshape(tf.range(BATCH * B * 4, dtype="float32"), (BATCH, B, 4))
+    np.testing.assert_array_equal(swap(x), np.swapaxes(x, 0, 1))
