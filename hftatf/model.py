@@ -27,6 +27,7 @@ from hftatf.layers import convolutional
 from hftatf.layers.base import (
     broadcast_to_models,
     has_accelerator,
+    model_pieces,
     runs_on_accelerator,
 )
 from hftatf.validation import check_num_models
@@ -169,13 +170,13 @@ def _unstack_models(tensor, num_models):
     tensor was just transposed from models first (the last product of the
     array, `dense.per_model_matmul`), it is transposed back and unstacked
     on its first axis: TensorFlow's optimizers cancel the two transposes,
-    and an unstack of the first axis shares its input's memory."""
-    if num_models == 1:
-        return [ops.squeeze(tensor, 1)]
+    and an unstack of the first axis shares its input's memory. Where
+    it was stacked from per-model results (`model_pieces`), they are the
+    slices."""
     swap = (1, 0, *range(2, len(tensor.shape)))
-    if _transposed_by(tensor, swap):
+    if num_models > 1 and _transposed_by(tensor, swap):
         return ops.unstack(ops.transpose(tensor, swap), num_models, axis=0)
-    return ops.unstack(tensor, num_models, axis=1)
+    return model_pieces(tensor, num_models, 1)
 
 
 def _transposed_by(tensor, order):

@@ -198,3 +198,21 @@ def test_swapping_a_stacked_tensor_stacks_it_on_the_other_axis():
     # Anything else is transposed.
     x = tf.reshape(tf.range(BATCH * B * 4, dtype="float32"), (BATCH, B, 4))
     np.testing.assert_array_equal(swap(x), np.swapaxes(x, 0, 1))
+
+
+def test_the_losses_take_each_model_output_as_it_was_computed():
+    from hftatf import model as model_module
+
+    found = {}
+
+    @tf.function
+    def split(*pieces):
+        found["slices"] = model_module._unstack_models(
+            tf.stack(pieces, axis=1), B)
+        return found["slices"]
+
+    pieces = [tf.fill((BATCH, 2), float(b)) for b in range(B)]
+    for b, piece in enumerate(split(*pieces)):
+        np.testing.assert_array_equal(piece, pieces[b])
+    graph = split.get_concrete_function(*pieces).graph
+    assert found["slices"] == graph.inputs[:B]

@@ -268,7 +268,7 @@ def model_pieces(tensor, num_models, axis):
         return pieces
     if num_models == 1:
         return [ops.squeeze(tensor, axis)]
-    return ops.unstack(tensor, axis=axis)
+    return ops.unstack(tensor, num_models, axis=axis)
 
 
 def stack_models(pieces, axis):

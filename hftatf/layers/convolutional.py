@@ -308,15 +308,13 @@ class _FusedConvolution(FusedLayer):
         input stacked by a per-model layer gives its pieces instead
         (`model_pieces`): no copy either way.
         """
-        def unstack(x, axis):
-            return model_pieces(x, self.num_models, axis)
-
-        per_kernel = [unstack(kernel, 0) for kernel in kernels]
-        biases = (unstack(self.bias, 0) if self.bias is not None
-                  else [None] * self.num_models)
+        per_kernel = [model_pieces(kernel, self.num_models, 0)
+                      for kernel in kernels]
+        biases = (model_pieces(self.bias, self.num_models, 0)
+                  if self.bias is not None else [None] * self.num_models)
         outputs = []
         slices = ([inputs] * self.num_models if shared
-                  else unstack(inputs, self.model_axis))
+                  else model_pieces(inputs, self.num_models, self.model_axis))
         for index, x in enumerate(slices):
             y = convolution(x, *(k[index] for k in per_kernel))
             if biases[index] is not None:
