@@ -10,7 +10,7 @@ from keras import ops
 from testing import assert_close, optimized_transposes
 
 import hftatf
-from hftatf.layers import base, fold, normalization
+from hftatf.layers import base, dense, fold, normalization
 from hftatf.layers.fold import SwapModelAxis
 
 B = 3
@@ -74,7 +74,7 @@ def chain_model(rate=0.3):
 
 def _without_pieces(monkeypatch):
     """The array's layers as they compute without reading pieces."""
-    for module in (base, fold, normalization):
+    for module in (base, dense, fold, normalization):
         monkeypatch.setattr(module, "stacked_pieces",
                             lambda *args, **kwargs: None)
 
@@ -124,12 +124,9 @@ def _data(seed=0):
 def test_per_model_layers_stack_nothing_between_them(monkeypatch):
     array = hftatf.fuse(chain_model(), B, layout="models_first")
     x, y = _data()
-    # Between the first convolution and the pooling every layer computes
-    # per model: the one stacked activation is the pooled one the Dense
-    # reads, and no gradient is stacked.
-    stacked = _stacked_activations(array, x, y)
-    assert len(stacked) == 1, stacked
-    assert "global_average_pooling2d" in stacked[0]
+    # From the first convolution to the Dense every layer computes per
+    # model: no activation and no gradient is stacked.
+    assert _stacked_activations(array, x, y) == []
     # Stacking each convolution's output and the gradients of the inputs
     # of the last two: five copies of activations.
     _without_pieces(monkeypatch)
@@ -216,3 +213,62 @@ def test_the_losses_take_each_model_output_as_it_was_computed():
         np.testing.assert_array_equal(piece, pieces[b])
     graph = split.get_concrete_function(*pieces).graph
     assert found["slices"] == graph.inputs[:B]
+
+
+@pytest.mark.parametrize("models_first", [True, False])
+@pytest.mark.parametrize("positions, contracted, output_dims, bias_shape", [
+    ((), 1, None, (4,)),            # Dense on [batch, in]
+    ((5,), 1, None, (4,)),          # Dense on sequences
+    ((5,), 2, (2, 2), (5, 1, 2)),   # EinsumDense-like: two contracted axes
+])
+def test_products_of_pieces_are_the_stacked_products(
+        models_first, positions, contracted, output_dims, bias_shape):
+    rng = np.random.default_rng(7)
+    axis = 0 if models_first else 1
+    contracted_shape = (3, 2)[:contracted] if contracted == 2 else (6,)
+    pieces = [tf.constant(rng.standard_normal(
+        (BATCH, *positions, *contracted_shape)).astype("float32"))
+        for _ in range(B)]
+    kernel = tf.constant(rng.standard_normal((B, 6, 4)).astype("float32"))
+    bias = tf.constant(rng.standard_normal((B, *bias_shape)).astype(
+        "float32"))
+
+    @tf.function
+    def products(kernel, bias, *pieces):
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([kernel, bias, *pieces])
+            stacked = tf.stack(pieces, axis)
+            # The product of the pieces, and of a copy (no pieces found).
+            outputs = [dense.per_model_matmul(
+                inputs, kernel, bias, activation=ops.tanh,
+                contracted=contracted, output_dims=output_dims,
+                models_first=models_first)
+                for inputs in (stacked, tf.identity(stacked))]
+            weights = rng.standard_normal(outputs[0].shape).astype(
+                "float32")
+            losses = [ops.sum(out * weights) for out in outputs]
+        return outputs, [tape.gradient(loss, [kernel, bias, *pieces])
+                         for loss in losses]
+
+    (ours, theirs), (our_grads, their_grads) = products(kernel, bias, *pieces)
+    assert tuple(ours.shape) == tuple(theirs.shape)
+    assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    for value, expected in zip(our_grads, their_grads):
+        assert_close(value, expected, rtol=1e-5, atol=1e-6)
+    # Against each model's own product, computed here.
+    for b, piece in enumerate(pieces):
+        rows = np.reshape(piece, (-1, 6)) @ kernel[b]
+        expected = np.tanh(np.reshape(
+            rows, (BATCH, *positions, *(output_dims or (4,)))) + bias[b])
+        got = ours[b] if models_first else ours[:, b]
+        assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dense_after_per_model_layers_reads_their_pieces():
+    """Each model's stock product (no batched matmul) on its pooled
+    features, which are never stacked."""
+    array = hftatf.fuse(chain_model(), B, layout="models_first")
+    x, y = _data()
+    graph = _training_step(array).get_concrete_function(x, y).graph
+    types = {op.type for op in graph.get_operations()}
+    assert not types & {"BatchMatMulV2", "BatchMatMulV3", "Einsum"}

@@ -14,7 +14,10 @@ from hftatf.layers.base import (
     as_one_sample,
     batch_matmul,
     compiling_with_xla,
+    model_pieces,
     repeat_for_models,
+    stack_models,
+    stacked_pieces,
 )
 from hftatf.validation import check_model_axis
 
@@ -93,23 +96,32 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
     output_dims = tuple(output_dims or (size_out,))
     rank = len(inputs.shape)
     kept = rank - 2 - contracted
-    shape = ops.shape(inputs)
+    axis = 0 if models_first else 1
     if num_models == 1:
         # TensorFlow's oneDNN batched matmul also crashes on CPU when every
         # batch axis of the kernel broadcasts, as `[1, 1, in, out]` would.
         # Reshapes, not `kernel[0]`: a slice's gradient is a zero-filled
         # copy, a reshape's a reshape.
-        axis = 0 if models_first else 1
-        rows = (shape[1 - axis], *shape[2:2 + kept])
-        outputs = ops.matmul(ops.reshape(inputs, (*rows, size_in)),
-                             ops.reshape(kernel, (size_in, size_out)))
-        outputs = ops.reshape(outputs, (*rows, *output_dims))
-        if bias is not None:
-            # As the stock layers add theirs.
-            outputs = ops.add(outputs, ops.reshape(bias, bias.shape[1:]))
-        if activation is not None:
-            outputs = activation(outputs)
+        outputs = _one_model_product(
+            ops.squeeze(inputs, axis),
+            ops.reshape(kernel, (size_in, size_out)),
+            None if bias is None else ops.reshape(bias, bias.shape[1:]),
+            activation, kept, output_dims, stock_bias=True)
         return ops.expand_dims(outputs, axis)
+    pieces = None if compiling_with_xla() else stacked_pieces(
+        inputs, num_models, axis)
+    if pieces is not None:
+        # Stacked from B per-model tensors (a per-model layer's outputs):
+        # each model's stock product on its own piece, restacked for the
+        # next layer, which may read the pieces in turn. The stacked input
+        # is then never computed, nor its gradient unstacked.
+        kernels = model_pieces(kernel, num_models, 0)
+        biases = (model_pieces(bias, num_models, 0) if bias is not None
+                  else [None] * num_models)
+        return stack_models([
+            _one_model_product(*arguments, activation, kept, output_dims)
+            for arguments in zip(pieces, kernels, biases)], axis)
+    shape = ops.shape(inputs)
     if bias is not None:
         # [B, *t] -> [B, 1, ..., 1, *t]: one model's full output rank.
         bias = ops.reshape(bias, (
@@ -143,6 +155,27 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
     outputs = _models_first_products(ops.transpose(inputs, swap), kernel,
                                      bias, finish, contracted, output_dims)
     return ops.transpose(outputs, (1, 0, *range(2, len(outputs.shape))))
+
+
+def _one_model_product(inputs, kernel, bias, activation, kept, output_dims,
+                        stock_bias=False):
+    """One model's product, the stock layer's: `inputs` `[batch, *positions,
+    *contracted axes]` (the model axis dropped), `kernel` `[in, out]`, `bias`
+    None or `[*t]`. The bias is added as the stock layers add theirs where
+    `stock_bias`, else with `+` (an `AddV2`), as the per-model
+    convolutions add theirs (see `_FusedConvolution`): TensorFlow's CPU
+    graph optimizer fuses a `BiasAdd`'s gradient with the product's, and
+    where the models' output gradients come from one op it can pair them
+    across models."""
+    shape = ops.shape(inputs)
+    rows = shape[:1 + kept]
+    outputs = ops.matmul(ops.reshape(inputs, (*rows, kernel.shape[0])),
+                         kernel)
+    outputs = ops.reshape(outputs, (*rows, *output_dims))
+    if bias is not None:
+        outputs = (ops.add(outputs, bias) if stock_bias
+                   else outputs + bias)
+    return outputs if activation is None else activation(outputs)
 
 
 def _models_first_products(moved, kernel, bias, finish, contracted,
