@@ -421,16 +421,22 @@ class FusedGAN(FusedModel):
 
     def sample_noise(self, batch_size):
         """Independent standard normal noise for every model,
-        `[batch_size, B, latent_dim]`, drawn from `(noise_seed, step)`.
-        Override for another noise distribution."""
+        `[batch_size, B, latent_dim]`: model `b`'s drawn from `(noise_seed,
+        step, b)`, so it does not depend on how many models the array
+        holds. Override for another noise distribution."""
         replica = tf.distribute.get_replica_context()
         replica_id = 0 if replica is None else (
             replica.replica_id_in_sync_group)
         seed = ops.stack([
             ops.cast(self.noise_seed + 7919 * replica_id, "int64"),
             ops.cast(self.optimizer.iterations, "int64")])
-        return tf.random.stateless_normal(
-            (batch_size, self.num_models, self.latent_dim), seed=seed)
+        # One draw per model, stacked: the generators' first per-model
+        # layers read each model's draw itself (`model_pieces`).
+        return stack_models([
+            tf.random.stateless_normal(
+                (batch_size, self.latent_dim),
+                seed=tf.random.experimental.stateless_fold_in(seed, index))
+            for index in range(self.num_models)], 1)
 
     def compute_gan_losses(self, real_logits, fake_logits):
         """`(d_losses, g_losses)`, `[B]` each; `gan_losses` by default."""

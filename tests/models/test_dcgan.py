@@ -150,6 +150,13 @@ def test_noise_is_independent_per_model_and_step():
     gan.optimizer.iterations.assign(1)
     assert not np.allclose(first, gan.sample_noise(64))
     assert abs(first.mean()) < 0.1 and abs(first.std() - 1.0) < 0.1
+    # Model b's noise does not depend on how many models the array holds.
+    pair = hftatf.fuse(small_gan(), 2, model_class=dcgan.FusedGAN)
+    pair.compile(jit_compile=False)
+    pair.noise_seed = gan.noise_seed
+    pair.optimizer.iterations.assign(1)
+    np.testing.assert_array_equal(pair.sample_noise(64),
+                                  gan.sample_noise(64)[:, :2])
 
 
 def test_a_diverging_model_leaves_the_other_untouched():
