@@ -272,3 +272,36 @@ def test_a_dense_after_per_model_layers_reads_their_pieces():
     graph = _training_step(array).get_concrete_function(x, y).graph
     types = {op.type for op in graph.get_operations()}
     assert not types & {"BatchMatMulV2", "BatchMatMulV3", "Einsum"}
+
+
+@pytest.mark.parametrize("outputs_shape, bias_shape, models, rows", [
+    ((BATCH, 4, 4, 16), (1, 1, 1, 16), 0, 3),  # a convolution's channels
+    ((BATCH, 4, 5), (1, 4, 5), 0, 1),         # per position and channel
+    ((B, BATCH, 4, 32), (B, 1, 1, 32), 1, 2),  # models first
+    ((BATCH, 4, 5), (1, 1, 4), 0, 0),         # not along the last axes
+    ((BATCH, 5), (5,), 0, 0),                 # ranks differ
+    ((BATCH, 4, 4, 8), (1, 1, 1, 8), 0, 0),   # rows too small to gain
+])
+def test_biases_summed_over_rows_train_as_added_ones(outputs_shape,
+                                                     bias_shape, models,
+                                                     rows):
+    rng = np.random.default_rng(11)
+    outputs = tf.constant(rng.standard_normal(outputs_shape), "float32")
+    bias = tf.constant(rng.standard_normal(bias_shape), "float32")
+    assert base.bias_rows(outputs, bias, models) == rows
+    if not rows:
+        return
+    weights = tf.constant(rng.standard_normal(outputs_shape), "float32")
+
+    @tf.function
+    def gradients(function):
+        with tf.GradientTape() as tape:
+            tape.watch([outputs, bias])
+            loss = ops.sum(function(outputs, bias) * weights)
+        return tape.gradient(loss, [outputs, bias])
+
+    ours = gradients(lambda x, b: base.add_bias_by_rows(x, b, models))
+    theirs = gradients(lambda x, b: x + b)
+    for value, expected in zip(ours, theirs):
+        assert tuple(value.shape) == tuple(expected.shape)
+        assert_close(value, expected, rtol=1e-5, atol=1e-5)

@@ -289,6 +289,66 @@ def map_pieces(function, tensor, num_models, axis):
     return stack_models([function(piece) for piece in pieces], axis)
 
 
+# The smallest row of biases whose gradient `add_bias_by_rows` sums by a
+# product. The gradient of a bias added to 4,096 rows, in processor time on
+# a 2-core CPU: 8-18 us either way for rows of 1-16 elements (a product 16
+# us against a sum 8 us for 1), then 28 against 94-118 us for rows of 32
+# (a convolution's `[64, 8, 8, 32]`), 157 against 208 us for 64, 523
+# against 1,080 us for 256.
+MIN_BIAS_ROW = 16
+
+
+def bias_rows(outputs, bias, models=0):
+    """How many axes of `outputs` after its first `models` (0, or 1: the
+    model axis) `bias` broadcasts over as rows: `bias` is `[*m, 1, ..., 1,
+    *t]`, `outputs` `[*m, *rows, *t]`, of the same rank. 0 where `bias` is
+    laid out otherwise, where `t` has fewer than `MIN_BIAS_ROW` elements
+    (a sum over rows of a few elements is one contiguous reduction, which
+    TensorFlow computes faster than the product), and under XLA, whose
+    reductions need no help."""
+    if compiling_with_xla() or len(bias.shape) != len(outputs.shape):
+        return 0
+    rows = models
+    while rows < len(bias.shape) and bias.shape[rows] == 1:
+        rows += 1
+    if tuple(bias.shape[rows:]) != tuple(outputs.shape[rows:]) or tuple(
+            bias.shape[:models]) != tuple(outputs.shape[:models]) or (
+            math.prod(bias.shape[rows:]) < MIN_BIAS_ROW):
+        return 0
+    return rows - models
+
+
+def add_bias_by_rows(outputs, bias, models=0):
+    """`outputs + bias` (an `AddV2`) for a `bias` laid out as `bias_rows`
+    finds, its gradient summed over the rows as one product by a row of
+    ones (batched over the model axis where `models` is 1).
+
+    On a CPU, TensorFlow's `Sum` over the leading or middle axes is slow:
+    for the feed-forward bias of a BERT-mini array of 8 with the models
+    first (`[8, 64 * 64, 1024]`), 31 ms of processor time against 11 ms
+    reducing axis 0 of the batch-first layout; for the bias of a
+    per-model convolution (`[64, 8, 8, 32]`, DCGAN's discriminator), about
+    0.1 ms each, which a stock layer's `BiasAdd` gradient saves by fusing
+    with the filter's gradient. Per-model layers add their biases
+    without `BiasAdd` (see `_FusedConvolution._per_model`), and sum their
+    gradients here instead."""
+
+    @ops.custom_gradient
+    def add(outputs, bias):
+        def gradient(upstream):
+            size = math.prod(bias.shape[models:])
+            rows = ops.reshape(upstream, (*bias.shape[:models], -1, size))
+            ones = ops.ones((*(1,) * models, 1, ops.shape(rows)[-2]),
+                            upstream.dtype)
+            summed = (batch_matmul(ones, rows) if models
+                      else ops.matmul(ones, rows))
+            return upstream, ops.reshape(summed, bias.shape)
+
+        return outputs + bias, gradient
+
+    return add(outputs, bias)
+
+
 def broadcast_to_models(values, ndim):
     """Reshapes a `[B]` vector to `[B, 1, ..., 1]` of rank `ndim`."""
     return ops.reshape(values, (-1,) + (1,) * (ndim - 1))

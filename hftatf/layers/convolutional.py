@@ -72,6 +72,8 @@ from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import (
     FusedLayer,
+    add_bias_by_rows,
+    bias_rows,
     map_pieces,
     model_pieces,
     runs_on_accelerator,
@@ -326,8 +328,10 @@ class _FusedConvolution(FusedLayer):
                 # the models' output gradients are the outputs of one op
                 # (an unstack) it can pair them across models: the biases
                 # then train with another model's gradient, in some
-                # processes and not others.
-                y = y + bias
+                # processes and not others. The bias's gradient is summed
+                # by `add_bias_by_rows` instead.
+                y = (add_bias_by_rows(y, bias) if bias_rows(y, bias)
+                     else y + bias)
             outputs.append(y)
         return stack_models(outputs, self.model_axis)
 

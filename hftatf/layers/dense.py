@@ -11,8 +11,10 @@ from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import (
     FusedLayer,
+    add_bias_by_rows,
     as_one_sample,
     batch_matmul,
+    bias_rows,
     compiling_with_xla,
     model_pieces,
     repeat_for_models,
@@ -162,19 +164,22 @@ def _one_model_product(inputs, kernel, bias, activation, kept, output_dims,
     """One model's product, the stock layer's: `inputs` `[batch, *positions,
     *contracted axes]` (the model axis dropped), `kernel` `[in, out]`, `bias`
     None or `[*t]`. The bias is added as the stock layers add theirs where
-    `stock_bias`, else with `+` (an `AddV2`), as the per-model
-    convolutions add theirs (see `_FusedConvolution`): TensorFlow's CPU
-    graph optimizer fuses a `BiasAdd`'s gradient with the product's, and
-    where the models' output gradients come from one op it can pair them
-    across models."""
+    `stock_bias`, else as the per-model convolutions add theirs,
+    with `+` (an `AddV2`) and `add_bias_by_rows` (see
+    `_FusedConvolution._per_model`)."""
     shape = ops.shape(inputs)
     rows = shape[:1 + kept]
     outputs = ops.matmul(ops.reshape(inputs, (*rows, kernel.shape[0])),
                          kernel)
     outputs = ops.reshape(outputs, (*rows, *output_dims))
     if bias is not None:
-        outputs = (ops.add(outputs, bias) if stock_bias
-                   else outputs + bias)
+        if stock_bias:
+            outputs = ops.add(outputs, bias)
+        else:
+            bias = ops.reshape(bias, (1,) * (len(outputs.shape) - len(
+                bias.shape)) + tuple(bias.shape))
+            outputs = (add_bias_by_rows(outputs, bias)
+                       if bias_rows(outputs, bias) else outputs + bias)
     return outputs if activation is None else activation(outputs)
 
 
@@ -194,40 +199,9 @@ def _models_first_products(moved, kernel, bias, finish, contracted,
                                     *output_dims))
     if bias is not None:
         bias = ops.expand_dims(bias, 1)
-        if not compiling_with_xla() and _bias_rows(outputs, bias):
-            outputs, bias = _add_bias_by_rows(outputs, bias), None
+        if bias_rows(outputs, bias, models=1):
+            outputs, bias = add_bias_by_rows(outputs, bias, models=1), None
     return finish(outputs, bias)
-
-
-def _bias_rows(outputs, bias):
-    """How many leading axes of `outputs` (`[B, ...]`) after the model
-    axis `bias` (`[B, 1, ..., 1, *t]`) broadcasts over, where its other axes
-    are exactly those of `outputs`; else 0."""
-    rows = 1
-    while rows < len(bias.shape) and bias.shape[rows] == 1:
-        rows += 1
-    if tuple(bias.shape[rows:]) != tuple(outputs.shape[rows:]):
-        return 0
-    return rows - 1
-
-
-@ops.custom_gradient
-def _add_bias_by_rows(outputs, bias):
-    """`outputs + bias` with the models first (`[B, *rows, *t]` and `[B, 1,
-    ..., 1, *t]`), the bias's gradient summed over the rows as one batched
-    matmul by a row of ones. TensorFlow's CPU `Sum` over the middle axes of
-    `[B, rows, t]` is slow: for the feed-forward bias of a BERT-mini array of
-    8 (`[8, 64 * 64, 1024]`), 31 ms of processor time against 11 ms
-    reducing axis 0 of the batch-first layout."""
-
-    def gradient(upstream):
-        num_models = bias.shape[0]
-        rows = ops.reshape(upstream, (num_models, -1, math.prod(
-            bias.shape[1:])))
-        ones = ops.ones((1, 1, ops.shape(rows)[1]), upstream.dtype)
-        return upstream, ops.reshape(batch_matmul(ones, rows), bias.shape)
-
-    return outputs + bias, gradient
 
 
 def shared_matmul(inputs, kernel, bias=None):
