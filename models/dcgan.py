@@ -302,9 +302,11 @@ class FusedGAN(FusedModel):
     Attributes:
         generator_optimizer: the generator's fused optimizer (the
             discriminator's is `optimizer`, alias `discriminator_optimizer`).
-        noise_seed: the seed of the noise. The noise of step `s` is drawn
-            statelessly from `(noise_seed, s)` (and the replica id), so a
-            resumed run draws the noise an uninterrupted one would.
+        noise_seed: the seed of the noise. Model `b`'s noise of step `s`
+            is drawn statelessly from `(noise_seed, s, b)` (and the replica
+            id), so a resumed run draws the noise an uninterrupted one
+            would, and model `b` draws the same noise in arrays of any
+            size.
     """
 
     def __init__(self, inputs, outputs, num_models, shared_inputs=True,
