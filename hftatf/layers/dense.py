@@ -65,6 +65,9 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
     The formulation is chosen for the kernels that will run it:
 
     * one model: the stock layer's computation on `x[:, 0]`;
+    * inputs stacked by per-model layers, in a traced graph without XLA
+      (`stacked_pieces`): each model's stock product on its own piece,
+      stacked, so that the stacked input is never computed;
     * inputs with the models first: one batched matmul of each model's
       rows, `[B, rows, in] @ [B, in, out]`, without a transpose (on
       TensorFlow's Eigen kernel where it is small, see `batch_matmul`);
