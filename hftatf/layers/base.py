@@ -319,9 +319,11 @@ def bias_rows(outputs, bias, models=0):
 
 
 def add_bias_by_rows(outputs, bias, models=0):
-    """`outputs + bias` (an `AddV2`) for a `bias` laid out as `bias_rows`
-    finds, its gradient summed over the rows as one product by a row of
-    ones (batched over the model axis where `models` is 1).
+    """`outputs + bias` (an `AddV2`; `bias` of the rank of `outputs`, whose
+    first `models` axes it shares). Where `bias_rows` finds rows, the
+    bias's gradient is summed over them as one product by a row of ones
+    (batched over the model axis where `models` is 1); elsewhere the
+    gradient is TensorFlow's own.
 
     On a CPU, TensorFlow's `Sum` over the leading or middle axes is slow:
     for the feed-forward bias of a BERT-mini array of 8 with the models
@@ -332,6 +334,8 @@ def add_bias_by_rows(outputs, bias, models=0):
     with the filter's gradient. Per-model layers add their biases
     without `BiasAdd` (see `_FusedConvolution._per_model`), and sum their
     gradients here instead."""
+    if not bias_rows(outputs, bias, models):
+        return outputs + bias
 
     @ops.custom_gradient
     def add(outputs, bias):

@@ -73,7 +73,6 @@ from hftatf.layers import registry
 from hftatf.layers.base import (
     FusedLayer,
     add_bias_by_rows,
-    bias_rows,
     map_pieces,
     model_pieces,
     runs_on_accelerator,
@@ -330,8 +329,7 @@ class _FusedConvolution(FusedLayer):
                 # then train with another model's gradient, in some
                 # processes and not others. The bias's gradient is summed
                 # by `add_bias_by_rows` instead.
-                y = (add_bias_by_rows(y, bias) if bias_rows(y, bias)
-                     else y + bias)
+                y = add_bias_by_rows(y, bias)
             outputs.append(y)
         return stack_models(outputs, self.model_axis)
 

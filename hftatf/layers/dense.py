@@ -14,7 +14,6 @@ from hftatf.layers.base import (
     add_bias_by_rows,
     as_one_sample,
     batch_matmul,
-    bias_rows,
     compiling_with_xla,
     model_pieces,
     repeat_for_models,
@@ -179,18 +178,17 @@ def _one_model_product(inputs, kernel, bias, activation, kept, output_dims,
         if stock_bias:
             outputs = ops.add(outputs, bias)
         else:
-            bias = ops.reshape(bias, (1,) * (len(outputs.shape) - len(
-                bias.shape)) + tuple(bias.shape))
-            outputs = (add_bias_by_rows(outputs, bias)
-                       if bias_rows(outputs, bias) else outputs + bias)
+            outputs = add_bias_by_rows(outputs, ops.reshape(
+                bias, (1,) * (len(outputs.shape) - len(bias.shape))
+                + tuple(bias.shape)))
     return outputs if activation is None else activation(outputs)
 
 
 def _models_first_products(moved, kernel, bias, finish, contracted,
                            output_dims):
-    """The products of `moved` (`[B, batch, ...]`) and `kernel`, then
-    `finish(outputs, bias)` (`bias` `[B, 1, ..., 1, *t]` of one model's full
-    output rank, or None)."""
+    """The products of `moved` (`[B, batch, ...]`) and `kernel`, plus
+    `bias` (`[B, 1, ..., 1, *t]` of one model's full output rank, or None;
+    `add_bias_by_rows`), then `finish(outputs, None)`."""
     num_models, size_in, _ = kernel.shape
     kept = len(moved.shape) - 2 - contracted
     # Shapes of the moved tensor, not of the caller's: where a transpose
@@ -201,10 +199,9 @@ def _models_first_products(moved, kernel, bias, finish, contracted,
     outputs = ops.reshape(outputs, (num_models, *moved_shape[1:2 + kept],
                                     *output_dims))
     if bias is not None:
-        bias = ops.expand_dims(bias, 1)
-        if bias_rows(outputs, bias, models=1):
-            outputs, bias = add_bias_by_rows(outputs, bias, models=1), None
-    return finish(outputs, bias)
+        outputs = add_bias_by_rows(outputs, ops.expand_dims(bias, 1),
+                                   models=1)
+    return finish(outputs, None)
 
 
 def shared_matmul(inputs, kernel, bias=None):
