@@ -1,11 +1,42 @@
-"""Test configuration: quiet TensorFlow, deterministic seeds per test."""
+"""Test configuration: the device the suite runs on, quiet TensorFlow,
+deterministic seeds per test.
+
+The suite tests the CPU's rules (per-model convolutions, XLA only for arrays
+without convolutions, products on the Eigen kernel) and holds every array to
+stock Keras in float32. On a machine with a GPU it therefore hides the GPU,
+from its subprocesses too, so that the README's test command passes there
+as on a CPU. `HFTATF_TEST_GPU=1` runs the tests marked `gpu` instead, on the
+GPU, with TF32 off: stock Keras and the array would otherwise each round
+their products to TF32 in their own order, far above the suite's float32
+tolerances.
+"""
 
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ON_GPU = os.environ.get("HFTATF_TEST_GPU", "") not in ("", "0")
+if not ON_GPU:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+if ON_GPU:
+    tf.config.experimental.enable_tensor_float_32_execution(False)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not ON_GPU:
+        return
+    if not tf.config.list_physical_devices("GPU"):
+        raise pytest.UsageError(
+            "HFTATF_TEST_GPU=1 runs the GPU tests, but TensorFlow sees no "
+            "GPU here. Unset it to run the suite on the CPU.")
+    # The rest of the suite asserts the CPU's rules.
+    config.hook.pytest_deselected(
+        items=[item for item in items if "gpu" not in item.keywords])
+    items[:] = [item for item in items if "gpu" in item.keywords]
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ b's slice of everything."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from testing import assert_close
 
 import hftatf
@@ -169,6 +170,7 @@ def test_regularization_losses_are_counted_per_model():
         assert_close(history[f"loss_{b}"], stock[b]["loss"])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("steps_per_execution, jit_compile", [
     (3, "auto"), (1, True), (2, False)])
 def test_steps_per_execution_and_jit_compile(steps_per_execution,
@@ -202,6 +204,18 @@ def test_auto_jit_compile_on_cpu_skips_convolutions(layer, expected):
     array.compile("sgd", loss="mse", jit_compile="auto")
     assert array.jit_compile is expected
     array.compile("sgd", loss="mse", jit_compile=True)
+    assert array.jit_compile is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
+                    reason="needs a GPU (HFTATF_TEST_GPU=1)")
+def test_auto_jit_compile_on_gpu_compiles_convolutions():
+    inputs = keras.Input((8, 3))
+    model = keras.Model(inputs, keras.layers.Flatten()(
+        keras.layers.Conv1D(4, 3)(inputs)))
+    array = hftatf.fuse(model, 2)
+    array.compile("sgd", loss="mse", jit_compile="auto")
     assert array.jit_compile is True
 
 

@@ -146,6 +146,7 @@ CONV_CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused_class,input_shape,num_models,kwargs",
                          CONV_CASES)
 def test_conv_matches_stock(fused_class, input_shape, num_models, kwargs):
@@ -180,6 +181,7 @@ TRANSPOSE_CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused_class,input_shape,num_models,kwargs",
                          TRANSPOSE_CASES)
 def test_conv_transpose_matches_stock(fused_class, input_shape, num_models,
@@ -209,6 +211,7 @@ DEPTHWISE_CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused_class,input_shape,num_models,kwargs",
                          DEPTHWISE_CASES)
 def test_depthwise_conv_matches_stock(fused_class, input_shape, num_models,
@@ -238,6 +241,7 @@ SEPARABLE_CASES = [
 ]
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("fused_class,input_shape,num_models,kwargs",
                          SEPARABLE_CASES)
 def test_separable_conv_matches_stock(fused_class, input_shape, num_models,
@@ -388,6 +392,27 @@ def test_auto_uses_per_model_kernels_on_cpu(fused_class, kwargs, op_type):
             scalar = tf.reduce_sum(tf.square(auto(x)))
         return tape.gradient(scalar, [x, *auto.weights])
     assert all(np.all(np.isfinite(g)) for g in gradients(tf.constant(x)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
+                    reason="needs a GPU (HFTATF_TEST_GPU=1)")
+@pytest.mark.parametrize("fused_class,kwargs,op_type", [
+    (FusedConv2D, {"filters": 2, "kernel_size": 3}, "Conv2D"),
+    (FusedConv2DTranspose, {"filters": 2, "kernel_size": 3, "strides": 2},
+     "Conv2DBackpropInput"),
+])
+def test_auto_uses_grouped_kernels_on_gpu(fused_class, kwargs, op_type):
+    x = np.ones((BATCH, 3, 5, 5, 2), "float32")
+    assert runs_on_accelerator()
+    auto = fused_class(3, **kwargs)
+    per_model = fused_class(3, implementation="per_model", **kwargs)
+    # Grouped: one convolution, inside the nested XLA function; per model:
+    # three in the graph.
+    assert convolution_ops(auto, x, op_type) == 0
+    assert convolution_ops(per_model, x, op_type) == 3
+    per_model.set_weights(auto.get_weights())
+    assert_close(auto(x), per_model(x))
 
 
 def test_auto_rule_reads_the_placement(monkeypatch):
@@ -630,6 +655,7 @@ def small_cnn(seed):
     return model
 
 
+@pytest.mark.gpu
 def test_fuse_models_of_a_small_cnn_matches_each_model():
     models = [small_cnn(seed) for seed in range(3)]
     array = hftatf.fuse_models(models)
