@@ -368,11 +368,15 @@ def convolution_ops(layer, x, op_type):
     return sum(op.type == op_type for op in graph.get_operations())
 
 
-@pytest.mark.parametrize("fused_class,kwargs,op_type", [
+# The auto rule's cases: a layer, its arguments, and its convolution op.
+AUTO_RULE_CASES = [
     (FusedConv2D, {"filters": 2, "kernel_size": 3}, "Conv2D"),
     (FusedConv2DTranspose, {"filters": 2, "kernel_size": 3, "strides": 2},
      "Conv2DBackpropInput"),
-])
+]
+
+
+@pytest.mark.parametrize("fused_class,kwargs,op_type", AUTO_RULE_CASES)
 def test_auto_uses_per_model_kernels_on_cpu(fused_class, kwargs, op_type):
     x = np.ones((BATCH, 3, 5, 5, 2), "float32")
     assert not runs_on_accelerator()
@@ -397,11 +401,7 @@ def test_auto_uses_per_model_kernels_on_cpu(fused_class, kwargs, op_type):
 @pytest.mark.gpu
 @pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
                     reason="needs a GPU (HFTATF_TEST_GPU=1)")
-@pytest.mark.parametrize("fused_class,kwargs,op_type", [
-    (FusedConv2D, {"filters": 2, "kernel_size": 3}, "Conv2D"),
-    (FusedConv2DTranspose, {"filters": 2, "kernel_size": 3, "strides": 2},
-     "Conv2DBackpropInput"),
-])
+@pytest.mark.parametrize("fused_class,kwargs,op_type", AUTO_RULE_CASES)
 def test_auto_uses_grouped_kernels_on_gpu(fused_class, kwargs, op_type):
     x = np.ones((BATCH, 3, 5, 5, 2), "float32")
     assert runs_on_accelerator()
