@@ -150,7 +150,7 @@ def _dropouts(layout_first, **config):
     ((5, 4, 4, 3), (1, None, None, None)),
     ((6, 7), (None, 7)),
 ])
-@pytest.mark.parametrize("compiled", [None, "graph", "xla"])
+@pytest.mark.parametrize("compiled", [None, "graph", "xla", "unknown_batch"])
 def test_dropout_with_models_first_draws_the_masks_of_the_other_layout(
         shape, noise_shape, compiled):
     import tensorflow as tf
@@ -164,7 +164,19 @@ def test_dropout_with_models_first_draws_the_masks_of_the_other_layout(
     def call(layer, inputs):
         return layer(inputs, training=True)
 
-    if compiled is not None:
+    if compiled == "unknown_batch":
+        # As `fit` traces its step: graphs whose batch size is unknown.
+        steps = {}
+
+        def call(layer, inputs):
+            if layer not in steps:
+                shape = list(inputs.shape)
+                shape[1 if layer.models_first else 0] = None
+                steps[layer] = tf.function(
+                    lambda t: layer(t, training=True),
+                    input_signature=[tf.TensorSpec(shape, inputs.dtype)])
+            return steps[layer](inputs)
+    elif compiled is not None:
         call = tf.function(call, jit_compile=compiled == "xla")
     for _ in range(2):  # and the seed generators move on alike
         expected = call(second, x)
@@ -378,8 +390,10 @@ def test_models_first_array_trains_saves_and_unfuses_as_batch_first():
     second = hftatf.fuse(model, B, layout="batch_first")
     second.set_weights(first.get_weights())
     rng = np.random.default_rng(4)
-    x = rng.standard_normal((16, 8, 8, 3)).astype("float32")
-    y = rng.integers(0, 3, 16)
+    # 20 samples in batches of 8: the last batch is smaller, so the step
+    # is traced with an unknown batch size.
+    x = rng.standard_normal((20, 8, 8, 3)).astype("float32")
+    y = rng.integers(0, 3, 20)
     assert_close(first.predict(x, verbose=0), second.predict(x, verbose=0))
     for array in (first, second):
         array.compile(optimizer=hftatf.optimizers.SGD(learning_rate=0.1),

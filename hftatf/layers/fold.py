@@ -130,8 +130,9 @@ def _dropout_models_first(layer, inputs, num_models, training):
         for size, dim in zip(folded, layer.noise_shape)]
     keep = tf.random.stateless_uniform(
         noise_shape, seed=seed, dtype=inputs.dtype, alg=None) >= layer.rate
-    if noise_shape[0] == 1:
-        # One mask for every sample, models included.
+    if layer.noise_shape is not None and layer.noise_shape[0] == 1:
+        # One mask for every sample, models included. (Decided on the
+        # layer's own noise shape: the batch size may be unknown here.)
         keep = ops.expand_dims(keep, 0)
     else:
         keep = ops.reshape(keep, (shape[1], num_models, *noise_shape[1:]))
