@@ -431,7 +431,10 @@ def unfuse(array):
     models = []
     for index in range(array.num_models):
         # Deserializing consumes the config: take a fresh copy each time.
-        model = keras.saving.deserialize_keras_object(array.source_config)
+        # The config is the array's own, whose layers (a Lambda's function
+        # included) are already loaded: safe mode would only refuse them.
+        model = keras.saving.deserialize_keras_object(
+            array.source_config, safe_mode=False)
         for path, layer in _weighted_layers(model):
             layer.set_weights([w[index] for w in stacked[path]])
         models.append(model)

@@ -117,6 +117,34 @@ class _DivergenceReport(keras.callbacks.Callback):
                     "train on.", index, model.name, int(steps[index]))
 
 
+# Stock callbacks that read and set one learning rate, where an array's
+# optimizer holds one per model, and what does their work for an array.
+_SINGLE_RATE_CALLBACKS = {
+    keras.callbacks.ReduceLROnPlateau: (
+        "hftatf.callbacks.ReduceLROnPlateau, which lowers each model's rate "
+        "when that model's own metric stops improving"),
+    keras.callbacks.LearningRateScheduler: (
+        "a schedule per model in the optimizer, e.g. hftatf.optimizers."
+        "Adam(learning_rate=[schedule_0, schedule_1, ...]) with "
+        "keras.optimizers.schedules, which each model follows by its own "
+        "step count"),
+}
+
+
+def _check_callbacks(callbacks):
+    """Rejects the stock callbacks that cannot drive an array (they would
+    fail mid-training on the array's `[B]` learning rates)."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for callback in callbacks or ():
+        alternative = _SINGLE_RATE_CALLBACKS.get(type(callback))
+        if alternative is not None:
+            raise ValueError(
+                f"keras.callbacks.{type(callback).__name__} reads and sets "
+                "one learning rate; an array's optimizer holds one per "
+                f"model. Use {alternative}.")
+
+
 def _finite_per_model(tensors, num_models):
     """`[B]` booleans: whether model `b`'s slice of every tensor is finite.
 
@@ -1068,6 +1096,7 @@ class FusedModel(keras.Model):
             self._class_weight = table
             self.train_function = None
         callbacks = kwargs.pop("callbacks", None)
+        _check_callbacks(callbacks)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.append(_DivergenceReport())
         else:

@@ -125,6 +125,25 @@ def test_callbacks_refuse_a_plain_keras_model():
             callback.on_train_begin()
 
 
+@pytest.mark.parametrize("stock, alternative", [
+    (lambda: keras.callbacks.ReduceLROnPlateau(monitor="loss"),
+     "hftatf.callbacks.ReduceLROnPlateau"),
+    (lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
+     "a schedule per model"),
+])
+def test_fit_refuses_stock_callbacks_that_set_one_learning_rate(
+        stock, alternative):
+    # They read the `[B]` rates as one float: without the check, fit fails
+    # at the end of its first epoch with a numpy conversion error.
+    array = make_array()
+    x, y = data()
+    before = array.get_weights()
+    for given in ([stock()], keras.callbacks.CallbackList([stock()])):
+        with pytest.raises(ValueError, match=alternative):
+            array.fit(x, y, epochs=1, verbose=0, callbacks=given)
+    assert same_weights(array.get_weights(), before)
+
+
 # -- EarlyStopping ----------------------------------------------------------
 
 

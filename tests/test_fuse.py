@@ -35,6 +35,20 @@ def test_unfuse_of_fuse_models_returns_the_weights_exactly():
             np.testing.assert_array_equal(ours, theirs)
 
 
+def test_unfuse_rebuilds_lambda_layers():
+    # Keras's safe mode refuses a Lambda's Python function from a config;
+    # the array's own config is no untrusted file.
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Lambda(lambda t: t * 2.0 + 1.0)(
+        keras.layers.Dense(3)(inputs))
+    array = hftatf.fuse(keras.Model(inputs, keras.layers.Dense(2)(hidden)),
+                        2)
+    x = np.random.default_rng(3).standard_normal((5, 6)).astype("float32")
+    predictions = array.predict(x, verbose=0)
+    for b, model in enumerate(array.unfuse()):
+        assert_close(model.predict(x, verbose=0), predictions[:, b])
+
+
 def test_fuse_models_of_unfuse_returns_the_array_exactly():
     array = hftatf.fuse(mlp(), 3)
     again = hftatf.fuse_models(array.unfuse())
