@@ -132,16 +132,12 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
             num_models, *(1,) * (kept + len(output_dims) + 1 - len(bias.shape)),
             *bias.shape[1:]))
 
-    def finish(outputs, bias):
-        if bias is not None:
-            # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the
-            # axis from the shapes alone.
-            outputs = outputs + bias
+    def activate(outputs):
         return outputs if activation is None else activation(outputs)
 
     if models_first:
-        return _models_first_products(inputs, kernel, bias, finish,
-                                      contracted, output_dims)
+        return activate(_models_first_products(inputs, kernel, bias,
+                                               contracted, output_dims))
     if not products_models_first(inputs.shape, num_models, size_in, size_out,
                                  contracted):
         if kept:
@@ -153,11 +149,14 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
                 "bmi,mio->bmo",
                 ops.reshape(inputs, (shape[0], num_models, size_in)), kernel)
         outputs = ops.reshape(outputs, (*shape[:2 + kept], *output_dims))
-        return finish(outputs, None if bias is None
-                      else as_one_sample(bias, outputs))
+        if bias is not None:
+            # `+`, not ops.add, whose TensorFlow bias_add shortcut picks the
+            # axis from the shapes alone.
+            outputs = outputs + as_one_sample(bias, outputs)
+        return activate(outputs)
     swap = (1, 0, *range(2, rank))
-    outputs = _models_first_products(ops.transpose(inputs, swap), kernel,
-                                     bias, finish, contracted, output_dims)
+    outputs = activate(_models_first_products(
+        ops.transpose(inputs, swap), kernel, bias, contracted, output_dims))
     return ops.transpose(outputs, (1, 0, *range(2, len(outputs.shape))))
 
 
@@ -184,11 +183,10 @@ def _one_model_product(inputs, kernel, bias, activation, kept, output_dims,
     return outputs if activation is None else activation(outputs)
 
 
-def _models_first_products(moved, kernel, bias, finish, contracted,
-                           output_dims):
+def _models_first_products(moved, kernel, bias, contracted, output_dims):
     """The products of `moved` (`[B, batch, ...]`) and `kernel`, plus
     `bias` (`[B, 1, ..., 1, *t]` of one model's full output rank, or None;
-    `add_bias_by_rows`), then `finish(outputs, None)`."""
+    `add_bias_by_rows`)."""
     num_models, size_in, _ = kernel.shape
     kept = len(moved.shape) - 2 - contracted
     # Shapes of the moved tensor, not of the caller's: where a transpose
@@ -201,7 +199,7 @@ def _models_first_products(moved, kernel, bias, finish, contracted,
     if bias is not None:
         outputs = add_bias_by_rows(outputs, ops.expand_dims(bias, 1),
                                    models=1)
-    return finish(outputs, None)
+    return outputs
 
 
 def shared_matmul(inputs, kernel, bias=None):
