@@ -8,6 +8,8 @@ callbacks here read the per-model values and act on each model on its own:
 - `EarlyStopping` stops (freezes) each model when its own monitored value
   stops improving, restoring that model's best weights if asked;
 - `ReduceLROnPlateau` lowers each model's own learning rate;
+- `LearningRateScheduler` sets each model's learning rate every epoch from
+  its own current rate;
 - `CSVLogger` writes one row per epoch and model (a tidy table);
 - `TensorBoard` writes one run per model, so TensorBoard overlays them;
 - `ModelCheckpoint` saves each model's best weights as a plain Keras model.
@@ -34,6 +36,7 @@ from tensorflow.core.framework import summary_pb2
 __all__ = [
     "CSVLogger",
     "EarlyStopping",
+    "LearningRateScheduler",
     "ModelCheckpoint",
     "PerModelMonitorCallback",
     "ReduceLROnPlateau",
@@ -361,6 +364,37 @@ def _unwrap_optimizer(optimizer):
     return optimizer
 
 
+def _check_settable_learning_rate(callback, optimizer):
+    """Raises a TypeError unless `optimizer` is a fused optimizer whose
+    per-model learning rates are floats (which `callback` sets)."""
+    inner = _unwrap_optimizer(optimizer)
+    schedules = getattr(inner, "_learning_rate_schedules", None)
+    if not hasattr(inner, "set_hyperparameter") or (
+            schedules is not None and schedules()):
+        raise TypeError(
+            f"{type(callback).__name__} sets each model's learning rate, so "
+            "the array's optimizer must be a fused optimizer built with float "
+            "learning rates (e.g. hftatf.optimizers.SGD([0.1, 0.01])). "
+            f"Received optimizer {optimizer!r}, whose learning rate is "
+            "not settable (a learning-rate schedule?).")
+
+
+def _log_learning_rates(array, logs):
+    """Returns the array's `B` learning rates as floats and, where `logs`
+    is given, writes them there as the stock callbacks do, in the array's
+    format: `learning_rate_b` for model `b`, and `learning_rate` for their
+    mean over the models that have not diverged."""
+    rates = [float(r) for r in np.asarray(
+        array.optimizer.get_hyperparameter("learning_rate"))]
+    if logs is not None:
+        for b, rate in enumerate(rates):
+            logs[f"learning_rate_{b}"] = rate
+        healthy = [r for r, d in zip(rates, array.diverged_models) if not d]
+        logs["learning_rate"] = (float(np.mean(healthy)) if healthy
+                                 else float("nan"))
+    return rates
+
+
 class ReduceLROnPlateau(PerModelMonitorCallback):
     """Lowers each model's learning rate when its monitored metric stops
     improving.
@@ -414,17 +448,7 @@ class ReduceLROnPlateau(PerModelMonitorCallback):
 
     def on_train_begin(self, logs=None):
         num_models = self.array.num_models
-        optimizer = self.model.optimizer
-        inner = _unwrap_optimizer(optimizer)
-        schedules = getattr(inner, "_learning_rate_schedules", None)
-        if not hasattr(inner, "set_hyperparameter") or (
-                schedules is not None and schedules()):
-            raise TypeError(
-                "ReduceLROnPlateau sets each model's learning rate, so the "
-                "array's optimizer must be a fused optimizer built with float "
-                "learning rates (e.g. hftatf.optimizers.SGD([0.1, 0.01])). "
-                f"Received optimizer {optimizer!r}, whose learning rate is "
-                "not settable (a learning-rate schedule?).")
+        _check_settable_learning_rate(self, self.model.optimizer)
         self.best = [None] * num_models
         self.wait = [0] * num_models
         self.cooldown_counter = [0] * num_models
@@ -439,15 +463,7 @@ class ReduceLROnPlateau(PerModelMonitorCallback):
             self._set_monitor_op()
         array = self.array
         optimizer = self.model.optimizer
-        rates = [float(r) for r in np.asarray(
-            optimizer.get_hyperparameter("learning_rate"))]
-        if logs is not None:
-            for b, rate in enumerate(rates):
-                logs[f"learning_rate_{b}"] = rate
-            healthy = [r for r, d in zip(rates, array.diverged_models)
-                       if not d]
-            logs["learning_rate"] = (float(np.mean(healthy)) if healthy
-                                     else float("nan"))
+        rates = _log_learning_rates(array, logs)
         values = self._model_values(logs, "Learning rate reduction")
         active = array.active_models
         new_rates = list(rates)
@@ -474,6 +490,114 @@ class ReduceLROnPlateau(PerModelMonitorCallback):
                     self.wait[b] = 0
         if new_rates != rates:
             optimizer.set_hyperparameter("learning_rate", new_rates)
+
+
+class LearningRateScheduler(keras.callbacks.Callback):
+    """Sets each model's learning rate at the beginning of every epoch.
+
+    The array's counterpart of `keras.callbacks.LearningRateScheduler`:
+    model `b` follows `schedule(epoch, lr_b)` from its own current rate
+    `lr_b`, exactly as the stock callback drives a single model, so models
+    started at different rates keep their own trajectories (a decay of 0.9
+    per epoch from 0.1 and from 0.01). Give a list of `B` functions to
+    schedule each model differently. As with the stock callback, a
+    function of the epoch alone (`schedule(epoch)`) is accepted too.
+    Frozen models (stopped or diverged) keep their rates.
+
+    The rates are set with `optimizer.set_hyperparameter("learning_rate",
+    ...)`, which takes effect at the next step without retracing, and are
+    logged at the end of each epoch as `learning_rate_b` for model `b` and
+    `learning_rate` for their mean over the models that have not diverged.
+    The optimizer must be a fused optimizer built with float learning rates
+    (a schedule inside the optimizer is not settable; training with one
+    raises a TypeError when it begins).
+
+    Args:
+        schedule: a function `(epoch, lr) -> new lr` (the epoch counted from
+            0, the rate a float), used for every model, or a sequence of `B`
+            such functions, one per model.
+        verbose: 0 (quiet) or 1 (a message for each epoch).
+
+    Example:
+
+    ```python
+    def decay(epoch, lr):
+        return lr if epoch < 10 else lr * 0.9
+
+    array.compile(hftatf.optimizers.SGD([0.1, 0.03, 0.01]), loss="mse")
+    array.fit(x, y, epochs=30,
+              callbacks=[hftatf.callbacks.LearningRateScheduler(decay)])
+    ```
+    """
+
+    def __init__(self, schedule, verbose=0):
+        super().__init__()
+        if callable(schedule):
+            self._schedules = None
+        else:
+            schedules = list(schedule) if isinstance(
+                schedule, (list, tuple)) else None
+            if not schedules or not all(callable(s) for s in schedules):
+                raise TypeError(
+                    "`schedule` must be a function (epoch, lr) -> lr or a "
+                    "list of such functions, one per model. Received: "
+                    f"schedule={schedule!r}")
+            self._schedules = schedules
+        self.schedule = schedule
+        self.verbose = verbose
+
+    @property
+    def array(self):
+        return _check_array(self, self.model)
+
+    def on_train_begin(self, logs=None):
+        num_models = self.array.num_models
+        if self._schedules is not None and len(self._schedules) != num_models:
+            raise ValueError(
+                f"LearningRateScheduler got {len(self._schedules)} schedules "
+                f"for an array of {num_models} models; give one function "
+                "for all models or one per model.")
+        _check_settable_learning_rate(self, self.model.optimizer)
+
+    def schedule_of(self, index):
+        """The schedule function of model `index`."""
+        if self._schedules is None:
+            return self.schedule
+        return self._schedules[index]
+
+    def on_epoch_begin(self, epoch, logs=None):
+        array = self.array
+        rates = _log_learning_rates(array, None)
+        new_rates = list(rates)
+        for b, active in enumerate(array.active_models):
+            if active:
+                new_rates[b] = _scheduled_rate(self.schedule_of(b), epoch,
+                                               rates[b])
+        array.optimizer.set_hyperparameter("learning_rate", new_rates)
+        if self.verbose > 0:
+            shown = ", ".join(f"{rate:g}" for rate in new_rates)
+            io_utils.print_msg(
+                f"\nEpoch {epoch + 1}: LearningRateScheduler setting the "
+                f"models' learning rates to [{shown}].")
+
+    def on_epoch_end(self, epoch, logs=None):
+        _log_learning_rates(self.array, logs)
+
+
+def _scheduled_rate(schedule, epoch, rate):
+    """`schedule(epoch, rate)` (or `schedule(epoch)`, the older form the
+    stock callback accepts) as a float, or a ValueError."""
+    try:
+        value = schedule(epoch, rate)
+    except TypeError:
+        value = schedule(epoch)
+    array = np.asarray(value) if not isinstance(value, (str, bytes)) else None
+    if (array is None or array.shape != () or
+            not np.issubdtype(array.dtype, np.floating)):
+        raise ValueError(
+            "The output of the `schedule` function should be a float. "
+            f"Got: {value!r}")
+    return float(array)
 
 
 def _hyperparameter_values(optimizer, names):

@@ -124,10 +124,11 @@ _SINGLE_RATE_CALLBACKS = {
         "hftatf.callbacks.ReduceLROnPlateau, which lowers each model's rate "
         "when that model's own metric stops improving"),
     keras.callbacks.LearningRateScheduler: (
-        "a schedule per model in the optimizer, e.g. hftatf.optimizers."
-        "Adam(learning_rate=[schedule_0, schedule_1, ...]) with "
-        "keras.optimizers.schedules, which each model follows by its own "
-        "step count"),
+        "hftatf.callbacks.LearningRateScheduler, which applies the schedule "
+        "to each model's own rate every epoch, or a schedule per model in "
+        "the optimizer, e.g. hftatf.optimizers.Adam(learning_rate="
+        "[schedule_0, schedule_1, ...]) with keras.optimizers.schedules, "
+        "which each model follows by its own step count"),
 }
 
 

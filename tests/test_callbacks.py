@@ -119,6 +119,7 @@ def test_monitor_direction_matches_stock_auto_mode():
 def test_callbacks_refuse_a_plain_keras_model():
     for callback in [callbacks.EarlyStopping(),
                      callbacks.ReduceLROnPlateau(),
+                     callbacks.LearningRateScheduler(lambda epoch, lr: lr),
                      callbacks.CSVLogger("unused.csv")]:
         callback.set_model(stock_model())
         with pytest.raises(TypeError, match="keras.callbacks"):
@@ -129,7 +130,7 @@ def test_callbacks_refuse_a_plain_keras_model():
     (lambda: keras.callbacks.ReduceLROnPlateau(monitor="loss"),
      "hftatf.callbacks.ReduceLROnPlateau"),
     (lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
-     "a schedule per model"),
+     "hftatf.callbacks.LearningRateScheduler"),
 ])
 def test_fit_refuses_stock_callbacks_that_set_one_learning_rate(
         stock, alternative):
@@ -382,6 +383,109 @@ def test_reduce_lr_on_plateau_refuses_schedules_and_large_factors():
         reduce.on_train_begin()
     with pytest.raises(ValueError, match="factor"):
         callbacks.ReduceLROnPlateau(factor=1.0)
+
+
+# -- LearningRateScheduler --------------------------------------------------
+
+
+def step_decay(epoch, lr):
+    return lr if epoch < 1 else lr * 0.5
+
+
+def epoch_only(epoch):
+    return 0.1 / (1 + epoch)
+
+
+def restart(epoch, lr):
+    return 0.08 if epoch % 2 == 0 else lr * 0.25
+
+
+@pytest.mark.parametrize("schedule", [
+    step_decay, epoch_only, [step_decay, restart, epoch_only]],
+    ids=["shared", "epoch_only", "per_model"])
+def test_learning_rate_scheduler_trains_like_stock_per_model(schedule):
+    # The oracle: B stock models, each fit with the stock callback and its
+    # model's schedule, from the same weights and on the same batches.
+    x, y = data(n=16)
+    stock = []
+    for b in range(B):
+        model = mlp()
+        model.compile(keras.optimizers.SGD(LEARNING_RATES[b]), loss="mse")
+        stock.append(model)
+    array = hftatf.fuse_models(stock)
+    array.compile(hftatf.optimizers.SGD(list(LEARNING_RATES)), loss="mse",
+                  jit_compile=False)
+    per_model = schedule if isinstance(schedule, list) else [schedule] * B
+    epochs = 4
+    history = array.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[callbacks.LearningRateScheduler(schedule)]).history
+    for b, model in enumerate(stock):
+        expected = model.fit(
+            x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+            callbacks=[keras.callbacks.LearningRateScheduler(
+                per_model[b])]).history
+        np.testing.assert_allclose(history[f"learning_rate_{b}"],
+                                   expected["learning_rate"], rtol=0)
+        np.testing.assert_allclose(history[f"loss_{b}"], expected["loss"],
+                                   rtol=1e-5)
+        for ours, theirs in zip(array.get_model_weights(b),
+                                model.get_weights()):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    # The rates did change (by each model's own rate, unless the schedule
+    # reads the epoch alone).
+    final = array.optimizer.get_hyperparameter("learning_rate")
+    assert not np.allclose(final, np.float32(LEARNING_RATES))
+    assert len(set(final.tolist())) == (1 if schedule is epoch_only else B)
+    np.testing.assert_allclose(
+        history["learning_rate"],
+        np.mean([history[f"learning_rate_{b}"] for b in range(B)], axis=0),
+        rtol=1e-6)
+
+
+def test_learning_rate_scheduler_leaves_frozen_models_alone(capsys):
+    array = make_array()
+    array.freeze_models([1])
+    scheduler = callbacks.LearningRateScheduler(
+        lambda epoch, lr: lr * 0.5, verbose=1)
+    scheduler.set_model(array)
+    scheduler.on_train_begin()
+    for epoch in range(2):
+        scheduler.on_epoch_begin(epoch)
+    rates = array.optimizer.get_hyperparameter("learning_rate")
+    expected = np.float32(LEARNING_RATES) * np.float32([0.25, 1.0, 0.25])
+    np.testing.assert_allclose(rates, expected, rtol=1e-6)
+    assert "Epoch 2: LearningRateScheduler" in capsys.readouterr().out
+
+
+def test_learning_rate_scheduler_argument_errors():
+    with pytest.raises(TypeError, match="schedule"):
+        callbacks.LearningRateScheduler(0.1)
+    with pytest.raises(TypeError, match="schedule"):
+        callbacks.LearningRateScheduler([step_decay, 0.1, step_decay])
+    array = make_array()
+    too_few = callbacks.LearningRateScheduler([step_decay, step_decay])
+    too_few.set_model(array)
+    with pytest.raises(ValueError, match="2 schedules for an array of 3"):
+        too_few.on_train_begin()
+    for output in [1, "0.1", [0.1, 0.2], None]:
+        bad = callbacks.LearningRateScheduler(
+            lambda epoch, lr, output=output: output)
+        bad.set_model(array)
+        bad.on_train_begin()
+        with pytest.raises(ValueError, match="should be a float"):
+            bad.on_epoch_begin(0)
+    np.testing.assert_array_equal(
+        array.optimizer.get_hyperparameter("learning_rate"),
+        np.float32(LEARNING_RATES))
+    scheduled = hftatf.fuse(mlp(), B)
+    scheduled.compile(hftatf.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)),
+        loss="mse")
+    scheduler = callbacks.LearningRateScheduler(step_decay)
+    scheduler.set_model(scheduled)
+    with pytest.raises(TypeError, match="float learning rates"):
+        scheduler.on_train_begin()
 
 
 # -- loggers ----------------------------------------------------------------
