@@ -38,6 +38,7 @@ from hftatf.layers.fold import (
     BroadcastToModels,
     FoldModelAxis,
     FusedFold,
+    FusedRandomCrop,
     SwapModelAxis,
     UnfoldModelAxis,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "FusedMultiHeadAttention",
     "FusedNormalization",
     "FusedPReLU",
+    "FusedRandomCrop",
     "FusedRMSNormalization",
     "FusedSeparableConv1D",
     "FusedSeparableConv2D",

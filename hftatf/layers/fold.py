@@ -358,6 +358,62 @@ class FusedFold(keras.layers.Wrapper):
 
 
 @hftatf_export
+@registry.register(keras.layers.RandomCrop)
+class FusedRandomCrop(FusedFold):
+    """`keras.layers.RandomCrop` for every model: each model crops its own
+    window.
+
+    The stock layer crops every image of a batch at one random location,
+    drawn anew at each call; folded over the models, all B models would
+    crop at the same location. Here each model draws its own location (B
+    numbers from the stock layer's seed generator for each axis), as B
+    separate jobs would, and the windows are gathered in one op per axis.
+    Where the stock layer crops nothing at random (in inference, or an
+    image no larger than the target in height or width, which it resizes),
+    the stock layer runs on the folded batch, so each model gets exactly
+    the stock layer's output.
+
+    Layout and arguments: as `FusedFold`, wrapping a stock `RandomCrop`.
+    """
+
+    @classmethod
+    def takes_models_first(cls, layer):
+        # Each model draws the same window in either layout.
+        return True
+
+    def call(self, inputs, training=None, mask=None):
+        layer = self.layer
+        # The stock layer crops at random unless told it is not training.
+        training = True if training is None else training
+        shape = tuple(inputs.shape)
+        height = shape[layer.height_axis]
+        width = shape[layer.width_axis]
+        if not (training and height is not None and width is not None
+                and height > layer.height and width > layer.width):
+            return super().call(inputs, training=training, mask=mask)
+        check_model_axis(self.name, self.num_models, shape,
+                         model_axis_of(self.models_first))
+        seed = layer._get_seed_generator(layer.backend._backend)
+        images = ops.cast(inputs, layer.compute_dtype)
+        rank = len(shape)
+        leading = tf.shape(images)[:2]
+        for axis, size, target in ((layer.height_axis, height, layer.height),
+                                   (layer.width_axis, width, layer.width)):
+            # As the stock draw, with one start per model.
+            starts = ops.cast(keras.random.uniform(
+                (self.num_models,), 0, maxval=float(size - target + 1),
+                seed=seed), "int32")
+            index = starts[:, None] + ops.arange(target, dtype="int32")
+            index = index[:, None] if self.models_first else index[None]
+            # Model b's window along `axis`, for every sample of model b.
+            images = tf.gather(
+                images, tf.broadcast_to(index, tf.concat(
+                    [leading, [target]], 0)),
+                axis=rank + axis, batch_dims=2)
+        return images
+
+
+@hftatf_export
 class BroadcastToModels(keras.layers.Layer):
     """Gives every model of the array the same input batch.
 

@@ -13,11 +13,14 @@ import tensorflow as tf
 from keras.src.applications.convnext import StochasticDepth
 from testing import assert_close
 
+import hftatf
 from hftatf.layers import (
     PER_SAMPLE_LAYERS,
     BroadcastToModels,
     FusedDense,
     FusedFold,
+    FusedRandomCrop,
+    registry,
 )
 from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS
 
@@ -685,3 +688,95 @@ def test_augmentation_draws_per_model(factory):
     for b in range(1, NUM_MODELS):
         differs = np.any(np.abs(y[:, b] - y[:, 0]) > 1e-6, axis=(1, 2, 3))
         assert differs.mean() > 0.25, (b, differs.mean())
+
+
+# -- RandomCrop ---------------------------------------------------------------
+
+
+def crop_windows(y, x, models_first, data_format):
+    """Each model's `(top, left)` window of `x` that `y` is, for the whole
+    batch at once (one window per model and call, as the stock layer crops
+    a batch), or None for a model whose output is no single window."""
+    axis = 0 if models_first else 1
+    spatial = (1, 2) if data_format == "channels_last" else (2, 3)
+    windows = []
+    for b in range(NUM_MODELS):
+        got, source = np.take(y, b, axis), np.take(x, b, axis)
+        height, width = (got.shape[1 + d - 1] for d in spatial)
+        found = [
+            (top, left)
+            for top in range(source.shape[spatial[0]] - height + 1)
+            for left in range(source.shape[spatial[1]] - width + 1)
+            if np.array_equal(got, np.take(np.take(
+                source, range(top, top + height), spatial[0]),
+                range(left, left + width), spatial[1]))]
+        windows.append(found[0] if len(found) == 1 else None)
+    return windows
+
+
+@pytest.mark.parametrize("models_first", [False, True],
+                         ids=["models_second", "models_first"])
+@pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
+def test_random_crop_crops_its_own_window_per_model(models_first,
+                                                     data_format):
+    rng = np.random.default_rng(11)
+    image = (9, 8, 2) if data_format == "channels_last" else (2, 9, 8)
+    x = rng.standard_normal(
+        (NUM_MODELS, BATCH, *image) if models_first
+        else (BATCH, NUM_MODELS, *image)).astype("float32")
+    stock = keras.layers.RandomCrop(4, 3, seed=3, data_format=data_format)
+    fused = registry.fuse_layer(stock, NUM_MODELS, models_first=models_first)
+    assert type(fused) is FusedRandomCrop
+    draws = []
+    for _ in range(4):
+        y = keras.ops.convert_to_numpy(fused(x, training=True))
+        assert tuple(y.shape) == tuple(fused.compute_output_shape(x.shape))
+        windows = crop_windows(y, x, models_first, data_format)
+        assert None not in windows, windows
+        draws.append(windows)
+    # The models crop at different places, and each call draws anew.
+    assert any(len(set(w)) > 1 for w in draws), draws
+    assert len({w[0] for w in draws}) > 1, draws
+    # Every start the stock layer can draw is reachable: 6 rows, 6 columns.
+    starts = np.array([w for ws in draws for w in ws])
+    assert starts.min() >= 0 and starts[:, 0].max() <= 5
+    assert starts[:, 1].max() <= 5
+
+
+def test_random_crop_matches_stock_where_it_does_not_crop_at_random():
+    rng = np.random.default_rng(12)
+    # Inference: the stock layer returns its input; an image no larger than
+    # the target in height is resized to the target, in training too.
+    for shape, training in [((9, 8, 2), False), ((4, 8, 2), True),
+                            ((3, 8, 2), True)]:
+        x = rng.standard_normal((BATCH, NUM_MODELS, *shape)).astype(
+            "float32")
+        fused = FusedRandomCrop(keras.layers.RandomCrop(4, 3), NUM_MODELS)
+        y = keras.ops.convert_to_numpy(fused(x, training=training))
+        assert_close(y, stock_per_model(keras.layers.RandomCrop(4, 3), [x],
+                                        training=training))
+
+
+def test_random_crop_trains_in_a_fused_model_and_unfuses():
+    rng = np.random.default_rng(13)
+    inputs = keras.Input((10, 10, 1))
+    hidden = keras.layers.RandomCrop(8, 8, seed=1)(inputs)
+    hidden = keras.layers.Conv2D(2, 3, activation="relu")(hidden)
+    outputs = keras.layers.Dense(1)(
+        keras.layers.GlobalAveragePooling2D()(hidden))
+    model = keras.Model(inputs, outputs)
+    array = hftatf.fuse(model, NUM_MODELS)
+    assert any(isinstance(layer, FusedRandomCrop)
+               for layer in array._flatten_layers())
+    array.compile("sgd", loss="mse")
+    x = rng.standard_normal((8, 10, 10, 1)).astype("float32")
+    history = array.fit(x, np.zeros((8, 1)), epochs=2, batch_size=4,
+                        verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    # In inference the crop layer passes its input through, as the stock
+    # layer does: the unfused models predict what the array does.
+    x_eval = rng.standard_normal((4, 10, 10, 1)).astype("float32")
+    y = array.predict(x_eval, verbose=0)
+    for b, stock in enumerate(array.unfuse()):
+        assert isinstance(stock.layers[1], keras.layers.RandomCrop)
+        assert_close(y[:, b], stock.predict(x_eval, verbose=0))
