@@ -49,7 +49,12 @@ from hftatf.layers.normalization import (
     FusedNormalization,
     FusedRMSNormalization,
 )
-from hftatf.layers.recurrent import FusedGRU, FusedLSTM, FusedSimpleRNN
+from hftatf.layers.recurrent import (
+    FusedGRU,
+    FusedLSTM,
+    FusedRNN,
+    FusedSimpleRNN,
+)
 from hftatf.layers.wrappers import FusedBidirectional, FusedTimeDistributed
 
 __all__ = [
@@ -89,6 +94,7 @@ __all__ = [
     "FusedPReLU",
     "FusedRandomCrop",
     "FusedRMSNormalization",
+    "FusedRNN",
     "FusedSeparableConv1D",
     "FusedSeparableConv2D",
     "FusedSimpleRNN",

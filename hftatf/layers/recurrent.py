@@ -11,6 +11,10 @@ applies each model's weights with an einsum, and folds the result back.
 The stock `LSTM` and `GRU` may run a cuDNN kernel on a GPU; the fused layers
 always run the generic loop (the cuDNN kernel has no per-model weights), so
 `use_cudnn=True` is refused.
+
+A stock `RNN` over one stock `SimpleRNNCell`, `LSTMCell` or `GRUCell` is the
+same computation as the `SimpleRNN`, `LSTM` or `GRU` layer of that cell, and
+fuses as that layer (`FusedRNN`).
 """
 
 import keras
@@ -23,7 +27,7 @@ from hftatf.layers.base import FusedLayer
 from hftatf.layers.fold import fold_model_axis, unfold_model_axis
 from hftatf.validation import check_model_axis
 
-__all__ = ["FusedGRU", "FusedLSTM", "FusedSimpleRNN"]
+__all__ = ["FusedGRU", "FusedLSTM", "FusedRNN", "FusedSimpleRNN"]
 
 
 class UnitForgetBias(keras.initializers.Initializer):
@@ -741,3 +745,64 @@ class FusedGRU(FusedRecurrent):
 
     recurrent_activation = _cell_property("recurrent_activation")
     reset_after = _cell_property("reset_after")
+
+
+@registry.register(keras.layers.RNN)
+class FusedRNN:
+    """Fuses `keras.layers.RNN(cell)` for a stock `SimpleRNNCell`,
+    `LSTMCell` or `GRUCell`.
+
+    Such an RNN computes what the stock `SimpleRNN`, `LSTM` or `GRU` layer
+    with the cell's arguments computes off cuDNN (each of those layers is
+    the `RNN` of its cell), so its fused form is `FusedSimpleRNN`,
+    `FusedLSTM` or `FusedGRU`, built from the RNN's arguments
+    (`return_sequences`, `return_state`, `go_backwards`, `stateful`,
+    `unroll`, `zero_output_for_mask`) and the cell's. Weights keep the
+    stock order, `[B, *stock shape]` each, and `unfuse` gives back the
+    stock `RNN` of its cell. Other cells (a cell of your own, a list of
+    cells, `StackedRNNCells`) are refused with an error naming the cell.
+    """
+
+    @staticmethod
+    def fused_layer_class(cell):
+        """The fused layer for a stock `cell`, or None."""
+        return {
+            keras.layers.SimpleRNNCell: FusedSimpleRNN,
+            keras.layers.LSTMCell: FusedLSTM,
+            keras.layers.GRUCell: FusedGRU,
+        }.get(type(cell))
+
+    @classmethod
+    def refusal(cls, layer):
+        """Why the stock `RNN` `layer` has no fused form, or None."""
+        if cls.fused_layer_class(layer.cell) is not None:
+            return None
+        return (
+            "a keras.layers.RNN fuses over one stock SimpleRNNCell, LSTMCell "
+            f"or GRUCell; its cell is {type(layer.cell).__module__}."
+            f"{type(layer.cell).__name__}. Stack recurrent layers (one RNN "
+            "per cell) instead of stacking cells, or write the part with a "
+            "cell of your own with hftatf.layers directly.")
+
+    @classmethod
+    def from_stock(cls, layer, num_models):
+        """Builds the fused layer of the stock `RNN` `layer` (weights not
+        copied)."""
+        fused_class = cls.fused_layer_class(layer.cell)
+        if fused_class is None:
+            raise ValueError(
+                f"hftatf cannot fuse layer '{layer.name}': "
+                f"{cls.refusal(layer)}")
+        config = layer.get_config()
+        del config["cell"]
+        cell_config = layer.cell.get_config()
+        for key in ("name", "trainable", "dtype"):
+            cell_config.pop(key, None)
+        config.update(cell_config)
+        config["activity_regularizer"] = keras.regularizers.serialize(
+            layer.activity_regularizer)
+        config["num_models"] = num_models
+        implementation = getattr(layer.cell, "implementation", None)
+        if implementation is not None:
+            config["implementation"] = implementation
+        return fused_class.from_config(config)

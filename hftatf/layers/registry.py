@@ -20,9 +20,17 @@ def register(*stock_classes):
     return decorator
 
 
+def _refusal(layer):
+    """Why the registered fused form of `layer` cannot take this instance
+    (`fused_form.refusal(layer)`, e.g. an `RNN` of a cell of its own), or
+    None."""
+    refusal = getattr(_FUSED_FORMS[type(layer)], "refusal", None)
+    return None if refusal is None else refusal(layer)
+
+
 def is_supported(layer):
     """Whether `hftatf.fuse` can fuse `layer`."""
-    return type(layer) in _FUSED_FORMS
+    return type(layer) in _FUSED_FORMS and _refusal(layer) is None
 
 
 def is_foldable(layer):
@@ -35,7 +43,7 @@ def is_foldable(layer):
 def fused_form(layer):
     """Returns the fused class for the stock `layer`, or raises ValueError."""
     try:
-        return _FUSED_FORMS[type(layer)]
+        form = _FUSED_FORMS[type(layer)]
     except KeyError:
         supported = ", ".join(sorted(c.__name__ for c in _FUSED_FORMS))
         name = type(layer).__name__
@@ -52,6 +60,12 @@ def fused_form(layer):
             "model with hftatf.layers directly, or register a fused form "
             f"with hftatf.layers.registry.register.{hint}"
         ) from None
+    refusal = _refusal(layer)
+    if refusal is not None:
+        raise ValueError(
+            f"hftatf cannot fuse layer '{layer.name}' of class "
+            f"{type(layer).__module__}.{type(layer).__name__}: {refusal}")
+    return form
 
 
 def takes_shared_input(layer):

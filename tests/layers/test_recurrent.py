@@ -19,7 +19,7 @@ from testing import (
 )
 
 import hftatf
-from hftatf.layers import FusedGRU, FusedLSTM, FusedSimpleRNN
+from hftatf.layers import FusedGRU, FusedLSTM, FusedSimpleRNN, registry
 
 BATCH = 3
 STEPS = 4
@@ -628,3 +628,122 @@ def test_rejects_wrong_mask_rank():
     x = np.zeros((BATCH, NUM_MODELS, STEPS, FEATURES), "float32")
     with pytest.raises(ValueError, match="mask of shape"):
         layer(x, mask=np.ones((BATCH,), bool))
+
+
+# keras.layers.RNN over a stock cell.
+
+
+CELLS = {
+    "simple_rnn": lambda **kw: keras.layers.SimpleRNNCell(
+        UNITS, activation="relu", **kw),
+    "lstm": lambda **kw: keras.layers.LSTMCell(
+        UNITS, unit_forget_bias=False, **kw),
+    "gru": lambda **kw: keras.layers.GRUCell(UNITS, reset_after=False, **kw),
+}
+
+
+def stock_cell_rnns(kind, rng, cell_kwargs=None, **kwargs):
+    """B built stock `RNN(cell)` layers, every weight random."""
+    layers = []
+    for _ in range(NUM_MODELS):
+        layer = keras.layers.RNN(CELLS[kind](**(cell_kwargs or {})),
+                                 **kwargs)
+        layer.build((None, STEPS, FEATURES))
+        randomize_weights(layer, rng, scale=0.5)
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("kwargs", [
+    {},
+    {"return_sequences": True, "return_state": True, "go_backwards": True},
+    {"return_sequences": True, "unroll": True, "zero_output_for_mask": True},
+], ids=["last", "sequences_state_backwards", "unroll_zero_output"])
+@pytest.mark.parametrize("kind", sorted(CELLS))
+def test_rnn_of_a_stock_cell_matches_stock(kind, kwargs):
+    rng = np.random.default_rng(20)
+    stock = stock_cell_rnns(kind, rng, **kwargs)
+    fused = registry.fuse_layer(stock[0], NUM_MODELS)
+    assert type(fused) is KINDS[kind][1]
+    fused.build((None, NUM_MODELS, STEPS, FEATURES))
+    fused.set_weights(stacked_weights(stock))
+    # The cell's arguments and the RNN's carried over.
+    for key, value in stock[0].cell.get_config().items():
+        if key not in ("name", "trainable", "dtype"):
+            assert fused.cell.get_config()[key] == value, key
+    for key in ("return_sequences", "return_state", "go_backwards",
+                "unroll", "zero_output_for_mask"):
+        assert getattr(fused, key) == getattr(stock[0], key), key
+    compare_layer_with_stock(
+        [CallWith(layer, with_mask=True) for layer in stock],
+        CallWith(fused, with_mask=True), [sequences(rng), per_model_mask()],
+        rng)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_rnn_of_a_stock_cell_keeps_its_implementation_and_dropout(kind):
+    cell = CELLS[kind](dropout=0.5, recurrent_dropout=0.25, seed=4,
+                       implementation=1)
+    fused = registry.fuse_layer(keras.layers.RNN(cell), NUM_MODELS)
+    assert fused.cell.implementation == 1
+    assert fused.cell.dropout_mask_count == cell.dropout_mask_count
+    assert (fused.dropout, fused.recurrent_dropout) == (0.5, 0.25)
+
+
+def test_rnn_of_a_stock_cell_trains_and_unfuses():
+    rng = np.random.default_rng(21)
+
+    def model():
+        inputs = keras.Input((STEPS, FEATURES))
+        hidden = keras.layers.Masking()(inputs)
+        hidden = keras.layers.RNN(keras.layers.LSTMCell(UNITS),
+                                  return_sequences=True)(hidden)
+        hidden = keras.layers.RNN(keras.layers.GRUCell(UNITS))(hidden)
+        return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+    stock = [model() for _ in range(NUM_MODELS)]
+    array = hftatf.fuse_models(stock)
+    rates = [0.1, 0.03]
+    array.compile(hftatf.optimizers.SGD(rates), loss="mse",
+                  jit_compile=False)
+    x = rng.standard_normal((8, STEPS, FEATURES)).astype("float32")
+    x[:3, -1] = 0.0  # masked last steps
+    y = rng.standard_normal((8, 1)).astype("float32")
+    history = array.fit(x, y, batch_size=4, epochs=2, shuffle=False,
+                        verbose=0).history
+    for b, model_b in enumerate(stock):
+        model_b.compile(keras.optimizers.SGD(rates[b]), loss="mse")
+        expected = model_b.fit(x, y, batch_size=4, epochs=2, shuffle=False,
+                               verbose=0).history
+        assert_close(history[f"loss_{b}"], expected["loss"])
+        for got, want in zip(array.get_model_weights(b),
+                             model_b.get_weights()):
+            assert_close(got, want)
+    unfused = array.unfuse()
+    assert [type(layer.cell) for layer in unfused[0].layers
+            if isinstance(layer, keras.layers.RNN)] == [
+        keras.layers.LSTMCell, keras.layers.GRUCell]
+    for b, model_b in enumerate(unfused):
+        assert_close(model_b.predict(x, verbose=0), stock[b].predict(
+            x, verbose=0))
+
+
+class OwnCell(keras.layers.Layer):
+    state_size = UNITS
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], UNITS))
+
+    def call(self, inputs, states):
+        output = keras.ops.matmul(inputs, self.kernel) + states[0]
+        return output, [output]
+
+
+@pytest.mark.parametrize("cell", [
+    lambda: OwnCell(),
+    lambda: [keras.layers.LSTMCell(UNITS), keras.layers.LSTMCell(UNITS)],
+], ids=["own_cell", "stacked_cells"])
+def test_rnn_of_another_cell_is_refused_naming_it(cell):
+    layer = keras.layers.RNN(cell())
+    with pytest.raises(ValueError, match="SimpleRNNCell, LSTMCell or GRUCell"):
+        registry.fuse_layer(layer, NUM_MODELS)

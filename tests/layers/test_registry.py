@@ -19,9 +19,18 @@ class UserReLU(keras.layers.ReLU):
     pass
 
 
+class UserCell(keras.layers.Layer):
+    """A recurrent cell of the user's own."""
+
+    state_size = 4
+
+    def call(self, inputs, states):
+        return inputs, states
+
+
 @pytest.mark.parametrize("layer,class_name", [
-    pytest.param(keras.layers.RNN(keras.layers.LSTMCell(4), name="my_rnn"),
-                 "RNN", id="RNN"),
+    pytest.param(keras.layers.RNN(UserCell(), name="my_rnn"), "RNN",
+                 id="RNN"),
     pytest.param(UserDense(4, name="my_dense"), "UserDense", id="UserDense"),
     pytest.param(UserReLU(name="my_relu"), "UserReLU", id="UserReLU"),
 ])
