@@ -540,8 +540,13 @@ def _architecture(model):
         layer_configs = layer_configs[1:] if layer_configs and (
             layer_configs[0].get("class_name") == "InputLayer") else (
             layer_configs)
+    # A functional config lists the graph's operations, raw `keras.ops`
+    # calls included, in `model.operations` order; `model.layers` leaves
+    # the raw operations out.
+    operations = (model.layers if isinstance(model, keras.Sequential)
+                  else getattr(model, "operations", model.layers))
     described = []
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(operations):
         layer_config = layer_configs[i] if i < len(layer_configs) else {}
         if isinstance(layer, keras.Model):
             # Inner layer names are the nested model's own: compare its
@@ -552,7 +557,8 @@ def _architecture(model):
             "position": i,
             "class": type(layer).__name__,
             "config": normalize(layer_config),
-            "weights": [tuple(w.shape) for w in layer.weights],
+            "weights": [tuple(w.shape)
+                        for w in getattr(layer, "weights", ())],
         })
     return described
 

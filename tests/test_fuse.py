@@ -275,3 +275,32 @@ def test_fuse_models_refuses_other_architectures():
         hftatf.fuse_models([mlp(), other])
     with pytest.raises(ValueError, match="at least one"):
         hftatf.fuse_models([])
+
+
+def raw_op_model(scale=2.0, activation="softmax"):
+    """A functional model with a raw `keras.ops` call and a nested model:
+    its config lists the raw operation, `model.layers` does not."""
+    inner_input = keras.Input((5,))
+    inner = keras.Model(
+        inner_input, keras.layers.Dense(4, activation="tanh")(inner_input),
+        name="inner")
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Concatenate()([inner(inputs), inner(inputs * scale)])
+    return keras.Model(inputs,
+                       keras.layers.Dense(3, activation=activation)(hidden))
+
+
+def test_fuse_models_compares_graphs_with_raw_operations():
+    models = [raw_op_model() for _ in range(2)]
+    array = hftatf.fuse_models(models)
+    x = np.random.default_rng(0).normal(size=(4, 5)).astype("float32")
+    y = array.predict(x, verbose=0)
+    for b, model in enumerate(models):
+        np.testing.assert_allclose(y[:, b], model.predict(x, verbose=0),
+                                   rtol=1e-6, atol=1e-7)
+    # The last layer's arguments and the raw operation's are compared too.
+    with pytest.raises(ValueError, match=r"model 1 .*layer 4 .*activation"):
+        hftatf.fuse_models([raw_op_model(),
+                            raw_op_model(activation="linear")])
+    with pytest.raises(ValueError, match=r"model 1 .*layer 1 "):
+        hftatf.fuse_models([raw_op_model(), raw_op_model(scale=3.0)])
