@@ -250,3 +250,79 @@ def test_hyperparameter_list_of_wrong_length_is_refused():
     array = hftatf.fuse(mlp(), B)
     with pytest.raises(ValueError, match=r"learning_rate.* 3 values"):
         array.compile(hftatf.optimizers.SGD([0.1, 0.2, 0.3]), loss="mse")
+
+
+# Softmax and sigmoid outputs: Keras's crossentropy reads the logits it
+# caches on them (exact where the probabilities saturate), so an array's
+# layout changes between the activation and its output must keep them.
+
+SATURATING = keras.initializers.RandomNormal(stddev=8.0, seed=5)
+
+
+def saturating_head(kind):
+    def dense(activation=None):
+        return keras.layers.Dense(3, activation=activation,
+                                  kernel_initializer=SATURATING)
+
+    return {
+        "dense_softmax": lambda h: dense("softmax")(h),
+        "dense_sigmoid": lambda h: dense("sigmoid")(h),
+        "activation_softmax": lambda h: keras.layers.Activation(
+            "softmax")(dense()(h)),
+        "softmax_layer": lambda h: keras.layers.Softmax()(dense()(h)),
+        "activation_sigmoid": lambda h: keras.layers.Activation(
+            "sigmoid")(dense()(h)),
+        "raw_softmax": lambda h: keras.ops.softmax(dense()(h)),
+        "einsum_softmax": lambda h: keras.layers.EinsumDense(
+            "ab,bc->ac", (3,), activation="softmax",
+            kernel_initializer=SATURATING)(h),
+        "sequence_softmax": lambda h: dense("softmax")(
+            keras.layers.Reshape((2, 2))(h)),
+    }[kind]
+
+
+SATURATING_BODIES = {
+    # The head reads the shared input.
+    "shared": lambda inputs: inputs,
+    # A per-model Dense first.
+    "mlp": lambda inputs: keras.layers.ReLU()(keras.layers.Dense(
+        4, kernel_initializer=SATURATING)(inputs)),
+}
+
+
+@pytest.mark.parametrize("body,num_models", [("mlp", 1), ("shared", 2)])
+@pytest.mark.parametrize("kind", [
+    "dense_softmax", "dense_sigmoid", "activation_softmax", "softmax_layer",
+    "activation_sigmoid", "raw_softmax", "einsum_softmax",
+    "sequence_softmax"])
+def test_saturated_softmax_and_sigmoid_outputs_match_stock(kind, body,
+                                                           num_models):
+    rng = np.random.default_rng(3)
+    x = (3 * rng.standard_normal((8, 4))).astype("float32")
+    sigmoid = kind.endswith("sigmoid")
+    labels = rng.integers(0, 3, (8, 2) if kind == "sequence_softmax"
+                          else (8,))
+    y = np.eye(3, dtype="float32")[labels] if sigmoid else labels
+    loss = ("binary_crossentropy" if sigmoid
+            else "sparse_categorical_crossentropy")
+
+    def model():
+        inputs = keras.Input((4,))
+        return keras.Model(inputs, saturating_head(kind)(
+            SATURATING_BODIES[body](inputs)))
+
+    stock = [model() for _ in range(num_models)]
+    array = hftatf.fuse_models(stock)
+    array.compile(hftatf.optimizers.SGD(0.01), loss=loss)
+    logs = array.train_on_batch(x, y, return_dict=True)
+    for b, model_b in enumerate(stock):
+        model_b.compile(keras.optimizers.SGD(0.01), loss=loss)
+        expected = model_b.train_on_batch(x, y)
+        # Saturated: through the clipped probabilities the losses differ by
+        # 60-100% (the test's own check that it saturates is below).
+        assert_close(logs[f"loss_{b}"], expected, rtol=1e-5)
+        for got, want in zip(array.get_model_weights(b),
+                             model_b.get_weights()):
+            assert_close(got, want, rtol=1e-5, atol=1e-6)
+    probabilities = stock[0].predict(x, verbose=0)
+    assert np.mean((probabilities < 1e-7) | (probabilities > 1 - 1e-7)) > 0.2

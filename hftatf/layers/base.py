@@ -271,12 +271,39 @@ def model_pieces(tensor, num_models, axis):
     return ops.unstack(tensor, num_models, axis=axis)
 
 
+def carry_logits(output, sources, transform):
+    """`output`, which is `transform(sources)` for a list of tensors
+    `sources` rearranged (stacked, reshaped, transposed), with the logits
+    Keras caches on softmax and sigmoid outputs carried over:
+    `transform([s._keras_logits for s in sources])`, where every source
+    has them. Keras's crossentropy reads them instead of the
+    probabilities, for exactness where the probabilities saturate; a
+    rearrangement would lose them."""
+    logits = [getattr(s, "_keras_logits", None) for s in sources]
+    if sources and all(t is not None for t in logits):
+        try:
+            output._keras_logits = transform(logits)
+        except AttributeError:  # a tensor type without attributes
+            pass
+    return output
+
+
+def rearranged(transform, tensor):
+    """`transform(tensor)` for a layout change (reshape, transpose, ...),
+    keeping the logits Keras caches on softmax and sigmoid outputs."""
+    return carry_logits(transform(tensor), [tensor],
+                        lambda logits: transform(logits[0]))
+
+
 def stack_models(pieces, axis):
     """Inverse of `model_pieces`: the per-model tensors, stacked on the
     model `axis` (read back as pieces by the next per-model layer)."""
-    if len(pieces) == 1:
-        return ops.expand_dims(pieces[0], axis)
-    return ops.stack(pieces, axis=axis)
+    def stack(tensors):
+        if len(tensors) == 1:
+            return ops.expand_dims(tensors[0], axis)
+        return ops.stack(tensors, axis=axis)
+
+    return carry_logits(stack(pieces), pieces, stack)
 
 
 def map_pieces(function, tensor, num_models, axis):

@@ -16,6 +16,7 @@ from hftatf.layers.base import (
     batch_matmul,
     compiling_with_xla,
     model_pieces,
+    rearranged,
     repeat_for_models,
     stack_models,
     stacked_pieces,
@@ -111,7 +112,7 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
             ops.reshape(kernel, (size_in, size_out)),
             None if bias is None else ops.reshape(bias, bias.shape[1:]),
             activation, kept, output_dims, stock_bias=True)
-        return ops.expand_dims(outputs, axis)
+        return rearranged(lambda t: ops.expand_dims(t, axis), outputs)
     pieces = None if compiling_with_xla() else stacked_pieces(
         inputs, num_models, axis)
     if pieces is not None:
@@ -157,7 +158,8 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
     swap = (1, 0, *range(2, rank))
     outputs = activate(_models_first_products(
         ops.transpose(inputs, swap), kernel, bias, contracted, output_dims))
-    return ops.transpose(outputs, (1, 0, *range(2, len(outputs.shape))))
+    return rearranged(
+        lambda t: ops.transpose(t, (1, 0, *range(2, len(t.shape)))), outputs)
 
 
 def _one_model_product(inputs, kernel, bias, activation, kept, output_dims,

@@ -21,6 +21,7 @@ from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import (
     model_pieces,
+    rearranged,
     repeat_for_models,
     stack_models,
     stacked_pieces,
@@ -174,7 +175,8 @@ def _fold_tensors(structure, name, num_models, models_first=False):
 def _unfold_tensors(structure, num_models, models_first=False):
     unfold = unfold_to_models_first if models_first else unfold_model_axis
     return keras.tree.map_structure(
-        lambda y: unfold(y, num_models) if _is_tensor(y) else y, structure)
+        lambda y: rearranged(lambda t: unfold(t, num_models), y)
+        if _is_tensor(y) else y, structure)
 
 
 def _no_mask(mask):
@@ -437,7 +439,7 @@ class BroadcastToModels(keras.layers.Layer):
         return repeat_for_models(tensor, self.num_models)
 
     def call(self, inputs):
-        return self._repeat(inputs)
+        return rearranged(self._repeat, inputs)
 
     def compute_mask(self, inputs, mask=None):
         if mask is None:
@@ -476,7 +478,7 @@ class FoldModelAxis(keras.layers.Layer):
 
     def call(self, inputs):
         check_model_axis(self.name, self.num_models, tuple(inputs.shape))
-        return fold_model_axis(inputs)
+        return rearranged(fold_model_axis, inputs)
 
     def compute_mask(self, inputs, mask=None):
         return None if mask is None else fold_model_axis(mask)
@@ -503,7 +505,8 @@ class UnfoldModelAxis(keras.layers.Layer):
         self.supports_masking = True
 
     def call(self, inputs):
-        return unfold_model_axis(inputs, self.num_models)
+        return rearranged(
+            lambda t: unfold_model_axis(t, self.num_models), inputs)
 
     def compute_mask(self, inputs, mask=None):
         return None if mask is None else unfold_model_axis(
@@ -551,7 +554,7 @@ class SwapModelAxis(keras.layers.Layer):
             pieces = stacked_pieces(inputs, inputs.shape[axis], axis)
             if pieces is not None:
                 return stack_models(pieces, 1 - axis)
-        return ops.swapaxes(inputs, 0, 1)
+        return rearranged(lambda t: ops.swapaxes(t, 0, 1), inputs)
 
     def compute_mask(self, inputs, mask=None):
         return None if mask is None else ops.swapaxes(mask, 0, 1)
