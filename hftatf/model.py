@@ -208,6 +208,28 @@ def _unstack_models(tensor, num_models):
     return model_pieces(tensor, num_models, 1)
 
 
+def _takes_class_ids(loss):
+    """Whether the compiled `loss` (a name, function or `Loss`) takes
+    integer class ids, labels one axis short of the predictions: True for
+    Keras's sparse losses, False for its others, None for a loss of the
+    user's own (or none)."""
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)
+        except ValueError:
+            return None
+    if isinstance(loss, keras.losses.Loss):
+        # A stock loss class wraps its function (`fn`); one of the user's
+        # own computes in `call`.
+        loss = getattr(loss, "fn", type(loss))
+    if not callable(loss):
+        return None
+    module = getattr(loss, "__module__", None) or ""
+    if not module.startswith("keras."):
+        return None
+    return "sparse" in getattr(loss, "__name__", "").lower()
+
+
 def _transposed_by(tensor, order):
     """Whether `tensor` is, in a traced graph, the output of a transpose
     by `order`."""
@@ -469,6 +491,7 @@ class FusedModel(keras.Model):
             steps_per_execution=steps_per_execution, jit_compile=jit_compile,
             auto_scale_loss=auto_scale_loss)
         self._per_model_labels = per_model_labels
+        self._user_loss = loss
         self._models_per_pass = models_per_pass
         self._resolved_models_per_pass = None
         strategy = self._distribute_strategy
@@ -558,9 +581,10 @@ class FusedModel(keras.Model):
 
     # -- losses -------------------------------------------------------------
 
-    def _is_per_model(self, label, prediction):
+    def _is_per_model(self, label, prediction, loss=None):
         """Whether `label` is `[batch, B, ...]` (per model) rather than
-        `[batch, ...]` (shared), judged against the array's prediction."""
+        `[batch, ...]` (shared), judged against the array's prediction
+        (and, where both would fit, the output's compiled `loss`)."""
         if self._per_model_labels is not None:
             return bool(self._per_model_labels)
         label_shape, pred_shape = tuple(label.shape), tuple(prediction.shape)
@@ -568,13 +592,21 @@ class FusedModel(keras.Model):
             return True
         if len(label_shape) != len(pred_shape) - 1:
             return False
-        per_model_sparse = label_shape[1] in (None, self.num_models) and (
-            _same_shape(label_shape[2:], pred_shape[2:-1]))
+        # Class ids per model, `[batch, B, ...]` for predictions `[batch, B,
+        # ..., classes]` (none for a `[batch]` label: one value per sample).
+        per_model_sparse = len(label_shape) > 1 and label_shape[1] in (
+            None, self.num_models) and _same_shape(
+                label_shape[2:], pred_shape[2:-1])
         shared = _same_shape(label_shape[1:], pred_shape[2:]) or (
             _same_shape(label_shape[1:], (*pred_shape[2:-1], 1)))
         if per_model_sparse and shared:
-            # E.g. shared one-hot labels of B classes, or per-model class ids:
-            # class ids are integers.
+            # E.g. shared one-hot or multi-hot labels of B classes, or
+            # per-model class ids: the loss tells where it is one of Keras's
+            # (only its sparse losses take class ids); for a loss of the
+            # user's own, class ids are integers.
+            takes_ids = _takes_class_ids(loss)
+            if takes_ids is not None:
+                return takes_ids
             return "int" in str(label.dtype)
         if not (per_model_sparse or shared):
             raise ValueError(
@@ -583,6 +615,22 @@ class FusedModel(keras.Model):
                 "Give labels shared by all models as [batch, ...] (as for "
                 "the stock model) or per model as [batch, num_models, ...].")
         return per_model_sparse
+
+    def _output_losses(self, y_pred):
+        """The compiled loss of each output, in `keras.tree.flatten(y_pred)`
+        order (None where none was given)."""
+        loss = getattr(self, "_user_loss", None)
+        count = len(keras.tree.flatten(y_pred))
+        if isinstance(loss, dict):
+            if isinstance(y_pred, dict):
+                names = sorted(y_pred)  # the order tree.flatten gives
+            else:
+                names = list(getattr(self, "output_names", None) or ())
+            return [loss.get(name) for name in names] + [None] * (
+                count - len(names))
+        if isinstance(loss, (list, tuple)):
+            return list(loss[:count]) + [None] * (count - len(loss))
+        return [loss] * count
 
     def _is_per_model_weight(self, weight, prediction):
         """Whether a sample weight is `[batch, B, ...]` (per model) rather
@@ -625,11 +673,13 @@ class FusedModel(keras.Model):
         labels = None
         if y is not None:
             flat_y = keras.tree.flatten(y)
-            pairs = (zip(flat_y, flat_pred) if len(flat_y) == len(flat_pred)
-                     else ((t, None) for t in flat_y))
-            per_model = [p is not None and self._is_per_model(t, p)
+            pairs = (zip(flat_y, flat_pred, self._output_losses(y_pred))
+                     if len(flat_y) == len(flat_pred)
+                     else ((t, None, None) for t in flat_y))
+            per_model = [p is not None and self._is_per_model(t, p, loss)
                          if self._per_model_labels is None
-                         else bool(self._per_model_labels) for t, p in pairs]
+                         else bool(self._per_model_labels)
+                         for t, p, loss in pairs]
             labels = keras.tree.pack_sequence_as(y, [
                 t[:, index] if slice_it else t
                 for t, slice_it in zip(flat_y, per_model)])

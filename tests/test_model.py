@@ -120,6 +120,58 @@ def test_one_hot_labels_shared_or_per_model(per_model):
         assert_close(logs[f"loss_{b}"], expected)
 
 
+def custom_sparse_loss(labels, probabilities):
+    return keras.losses.sparse_categorical_crossentropy(labels, probabilities)
+
+
+def squeezed_regressor():
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.ops.squeeze(
+        keras.layers.Dense(1)(inputs), -1))
+
+
+def sigmoid_classifier():
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.layers.Dense(
+        B, activation="sigmoid")(inputs))
+
+
+# (model, loss, labels from an rng, whether the labels are per model). B
+# classes make `[batch, B]` labels fit both readings in the last four.
+LABEL_CASES = {
+    "one_value_per_sample": (
+        squeezed_regressor, "mse",
+        lambda rng: rng.normal(size=16).astype("float32"), False),
+    "shared_multi_hot_ints": (
+        sigmoid_classifier, "binary_crossentropy",
+        lambda rng: rng.integers(0, 2, (16, B)), False),
+    "shared_one_hot_ints": (
+        lambda: mlp(classes=B), keras.losses.CategoricalCrossentropy(),
+        lambda rng: np.eye(B, dtype="int32")[rng.integers(0, B, 16)], False),
+    "per_model_class_ids": (
+        lambda: mlp(classes=B), "sparse_categorical_crossentropy",
+        lambda rng: rng.integers(0, B, (16, B)), True),
+    "per_model_class_ids_own_loss": (
+        lambda: mlp(classes=B), custom_sparse_loss,
+        lambda rng: rng.integers(0, B, (16, B)), True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LABEL_CASES))
+def test_labels_shared_or_per_model_by_shape_and_loss(case):
+    build, loss, labels, per_model = LABEL_CASES[case]
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    y = labels(rng)
+    array = hftatf.fuse(build(), B)
+    array.compile(hftatf.optimizers.SGD(0.1), loss=loss)
+    logs = array.evaluate(x, y, verbose=0, return_dict=True)
+    for b, model in enumerate(stock_copies(array)):
+        model.compile(loss=loss)
+        expected = model.evaluate(x, y[:, b] if per_model else y, verbose=0)
+        assert_close(logs[f"loss_{b}"], expected)
+
+
 def test_predict_and_evaluate_layout():
     x, y = data(n=10)
     array = sgd_classifier_array()
