@@ -473,8 +473,19 @@ class FusedLayer(keras.layers.Layer):
     def from_stock(cls, layer, num_models, **kwargs):
         """Builds the fused form of the stock `layer` (weights not copied);
         `kwargs` are arguments of the fused form only (`shared_input`)."""
-        return cls.from_config(
-            {**layer.get_config(), "num_models": num_models, **kwargs})
+        try:
+            return cls.from_config(
+                {**layer.get_config(), "num_models": num_models, **kwargs})
+        except TypeError as error:
+            # Keras's `from_config` wraps the fused form's refusal of a
+            # stock argument (a ValueError naming it) in a TypeError that
+            # prints the whole config first: raise the refusal itself.
+            if isinstance(error.__context__, ValueError):
+                raise ValueError(
+                    f"hftatf cannot fuse layer '{layer.name}' "
+                    f"({type(layer).__name__}): {error.__context__}"
+                ) from None
+            raise
 
     @classmethod
     def fuses_shared_input(cls, layer):
