@@ -112,3 +112,11 @@ def fuse_layer(layer, num_models, shared_input=False, models_first=False):
 def supported_layers():
     """The stock layer classes that `hftatf.fuse` can fuse."""
     return sorted(_FUSED_FORMS, key=lambda c: c.__name__)
+
+
+def folded_layers():
+    """The stock layer classes fused by folding the models into the batch
+    (`hftatf.layers.FusedFold`)."""
+    from hftatf.layers.fold import FusedFold
+
+    return [c for c in supported_layers() if _FUSED_FORMS[c] is FusedFold]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from keras.src.applications.convnext import StochasticDepth
+from keras.src.applications.inception_resnet_v2 import CustomScaleLayer
 from testing import assert_close
 
 import hftatf
@@ -130,6 +131,7 @@ CASES = [
     ("UnitNormalization_axes", lambda: keras.layers.UnitNormalization(
         axis=[1, 2]), (4, 3)),
     ("StochasticDepth", lambda: StochasticDepth(0.3), (4, 3)),
+    ("CustomScaleLayer", lambda: CustomScaleLayer(0.17), [(4, 3), (4, 3)]),
     ("AdaptiveAveragePooling1D",
      lambda: keras.layers.AdaptiveAveragePooling1D(2), (5, 3)),
     ("AdaptiveAveragePooling2D",
@@ -194,7 +196,9 @@ def input_shapes(inputs):
 def test_table_covers_every_per_sample_layer():
     tested = {type(factory()) for _, factory, _ in CASES}
     folded = set(PER_SAMPLE_LAYERS) | set(UNSEEDED_RANDOM_LAYERS)
-    assert folded <= tested, folded - tested
+    assert folded <= set(registry.folded_layers())
+    assert set(registry.folded_layers()) <= tested, (
+        set(registry.folded_layers()) - tested)
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
