@@ -12,7 +12,18 @@ Train B same-architecture Keras models as one fused model:
 
 __version__ = "0.1.0"
 
-from hftatf import callbacks, export, layers, optimizers
+import importlib
+
+from hftatf import (
+    backup,
+    callbacks,
+    distribute,
+    export,
+    layers,
+    optimizers,
+    passes,
+    seeds,
+)
 from hftatf.export import (
     export_models,
     export_serving,
@@ -24,7 +35,9 @@ from hftatf.model import FusedModel
 
 __all__ = [
     "FusedModel",
+    "backup",
     "callbacks",
+    "distribute",
     "export",
     "export_models",
     "export_serving",
@@ -34,4 +47,16 @@ __all__ = [
     "layers",
     "load_models",
     "optimizers",
+    "passes",
+    "seeds",
 ]
+
+# Imported on first use: `tuning` needs keras-tuner (the `tune` extra), the
+# model zoo and the launcher need only what they use.
+_LAZY_SUBMODULES = ("models", "tpu", "tuning")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"hftatf.{name}")
+    raise AttributeError(f"module 'hftatf' has no attribute {name!r}")

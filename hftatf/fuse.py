@@ -9,6 +9,7 @@ import os
 
 import keras
 import numpy as np
+from keras.src.models.functional import Functional
 
 from hftatf.layers import registry
 from hftatf.layers.base import runs_on_accelerator
@@ -76,6 +77,8 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         layout = ("batch_first" if num_models == 1 or runs_on_accelerator()
                   else "models_first")
     _check_fusable(model)
+    if model_class is FusedModel:
+        _check_no_custom_steps(model)
     structure = _input_structure(model)
     inputs = keras.tree.flatten(structure)
     if isinstance(shared_inputs, bool):
@@ -98,6 +101,31 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         source=keras.saving.serialize_keras_object(model),
         name=name or f"fused_{model.name}",
     )
+
+
+# What a Model subclass may override that an array built from the model's
+# graph would not run.
+_STEP_METHODS = ("call", "train_step", "test_step", "predict_step",
+                 "compute_loss", "compute_metrics")
+
+
+def _check_no_custom_steps(model, names=_STEP_METHODS):
+    """Refuses a functional or Sequential model whose class overrides any
+    of the methods `names`: the array is built from the model's graph and
+    would silently train without them."""
+    base = keras.Sequential if isinstance(model, keras.Sequential) else (
+        Functional)
+    custom = [name for name in names
+              if getattr(type(model), name, None) is not getattr(base, name)]
+    if custom:
+        methods = ", ".join(f"`{name}`" for name in custom)
+        raise ValueError(
+            f"Model '{model.name}' is a {type(model).__name__} with its own "
+            f"{methods}. hftatf.fuse builds the array from the model's graph "
+            "and would train it without them. Write the custom step in a "
+            "hftatf.FusedModel subclass and pass it as `model_class=` (see "
+            "FusedGAN in hftatf.models.dcgan), or fuse the plain functional "
+            "model.")
 
 
 def _check_fusable(model):
@@ -388,6 +416,7 @@ class _Walker:
         model of fused layers, with its name, taking per-model inputs."""
         if id(model) not in self._fused:
             _check_fusable(model)
+            _check_no_custom_steps(model, ("call",))
             walker = _Walker(self.num_models, self.models_first)
             inputs = [walker.input_like(x, shared=False)
                       for x in keras.tree.flatten(_input_structure(model))]

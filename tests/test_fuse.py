@@ -304,3 +304,41 @@ def test_fuse_models_compares_graphs_with_raw_operations():
                             raw_op_model(activation="linear")])
     with pytest.raises(ValueError, match=r"model 1 .*layer 1 "):
         hftatf.fuse_models([raw_op_model(), raw_op_model(scale=3.0)])
+
+
+class StepModel(keras.Model):
+    """A functional model with a training step of its own."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+class StepSequential(keras.Sequential):
+    def compute_loss(self, *args, **kwargs):
+        return super().compute_loss(*args, **kwargs)
+
+
+class OwnStepArray(hftatf.FusedModel):
+    """Where the array's own training step would go."""
+
+
+class NamedModel(keras.Model):
+    """A functional subclass that adds nothing the array would drop."""
+
+    def describe(self):
+        return self.name
+
+
+def test_models_with_custom_steps_are_refused_naming_them():
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(2)(inputs)
+    with pytest.raises(ValueError, match=r"`train_step`.*model_class="):
+        hftatf.fuse(StepModel(inputs, outputs), 2)
+    sequential = StepSequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="`compute_loss`"):
+        hftatf.fuse(sequential, 2)
+    # With a FusedModel subclass given for the step, and for subclasses
+    # that override nothing the array would drop, the model fuses.
+    assert hftatf.fuse(StepModel(inputs, outputs), 2,
+                       model_class=OwnStepArray).num_models == 2
+    assert hftatf.fuse(NamedModel(inputs, outputs), 2).num_models == 2

@@ -51,3 +51,17 @@ def test_test_modules_have_unique_names():
     names = [p.name for p in (ROOT / "tests").rglob("*.py")]
     assert sorted(set(names)) == sorted(names), sorted(
         n for n in set(names) if names.count(n) > 1)
+
+
+def test_submodules_the_readme_uses_are_attributes_of_hftatf():
+    # The README writes hftatf.backup.BackupAndRestore(...),
+    # hftatf.distribute.strategy_from_name(...), hftatf.tuning.* after a
+    # plain `import hftatf`.
+    import hftatf
+
+    for name in ("backup", "callbacks", "distribute", "export", "layers",
+                 "optimizers", "passes", "seeds", "models", "tpu"):
+        assert getattr(hftatf, name).__name__ == f"hftatf.{name}", name
+    for used in re.findall(r"`hftatf\.([a-z_]+)\.",
+                           (ROOT / "README.md").read_text()):
+        assert hasattr(hftatf, used), used
