@@ -595,8 +595,12 @@ def digit_images(batch_size, seed=0, image_size=16, validation_fraction=0.2):
         validation_fraction=validation_fraction, seed=seed)
 
     def images(pixels):
-        pixels = tf.image.resize(pixels[..., None], (image_size, image_size))
-        return np.asarray(pixels * 2.0 - 1.0, dtype="float32")
+        # Eagerly, also where the pipeline is built inside a tf.data
+        # function (the launcher's training stream).
+        with tf.init_scope():
+            pixels = tf.image.resize(pixels[..., None],
+                                     (image_size, image_size))
+            return np.asarray(pixels * 2.0 - 1.0, dtype="float32")
 
     train, validation = images(train), images(validation)
     return (tf.data.Dataset.from_tensor_slices(train)

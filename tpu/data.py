@@ -356,7 +356,8 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
     del passes
     skip = initial_epoch * steps_per_epoch * local
 
-    def train_fn(context):
+    def stream(context):
+        """This pipeline's endless training stream, from `initial_epoch`."""
         dataset, _ = one_pass(context)
         if train_steps is None:
             # An epoch is one pass: the same number of whole steps on
@@ -365,7 +366,18 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
         dataset = dataset.repeat()
         if skip:
             dataset = dataset.skip(skip)
-        return dataset.prefetch(tf.data.AUTOTUNE)
+        return dataset
+
+    def train_fn(context):
+        # A pipeline reshuffled every pass draws each pass's order from one
+        # seed generator shared by all of its iterators, so every iterator
+        # opened on it (Keras opens one to build the model, prefetching
+        # reads ahead) shifts the passes of the next. Built anew for every
+        # iterator, the stream draws the same passes whatever was opened
+        # before it: a resumed run, which skips the epochs run, then reads
+        # what the uninterrupted run read.
+        return tf.data.Dataset.range(1).flat_map(
+            lambda _: stream(context)).prefetch(tf.data.AUTOTUNE)
 
     def validation_fn(context):
         _, dataset = one_pass(context)

@@ -44,11 +44,16 @@ def test_mirrored_over_two_logical_cpus_trains_like_one_device(tmp_path):
                                    single["history"][key], atol=1e-5)
 
 
-def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path):
+@pytest.mark.parametrize("epoch", ["4_steps", "one_pass"])
+def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path, epoch):
+    # An epoch of one pass reshuffles the stream at every epoch: the
+    # resumed stream must draw the uninterrupted one's passes, however many
+    # iterators were opened on it before training (Keras opens one).
+    steps = ["--train_steps=4", "--batch_size=32"] if epoch == "4_steps" else [
+        "--batch_size=128"]
     flags = [*TINY_RUN, "--model_args=hidden_units=[16],dropout=0.2",
-             "--learning_rate=0.1,0.03", "--batch_size=32", "--epochs=3",
-             "--train_steps=4", "--eval_steps=2", "--deterministic",
-             "--strategy=cpu"]
+             "--learning_rate=0.1,0.03", "--epochs=3", *steps,
+             "--eval_steps=2", "--deterministic", "--strategy=cpu"]
     whole = launch(1, tmp_path / "whole.json", *flags,
                    f"--model_dir={tmp_path / 'whole'}",
                    f"--weights_out={tmp_path / 'whole.npz'}")
