@@ -67,10 +67,27 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"The backup in {self.backup_dir} is corrupt: its weights "
                 f"file does not match its checksum ({digest} instead of "
                 f"{metadata['sha256']}). Delete the directory to start over.")
+        num_models = getattr(self.model, "num_models", None)
+        backed_up = metadata.get("num_models")
+        if backed_up is not None and backed_up != num_models:
+            raise ValueError(
+                f"The backup in {self.backup_dir} holds an array of "
+                f"{backed_up} models; this array has {num_models}. Resume "
+                "with the backed-up array's settings, or delete the "
+                "directory to start over.")
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
-        self.model.load_weights(weights)
+        try:
+            self.model.load_weights(weights)
+        except ValueError as error:
+            # Keras names the first weight that differs, with its values.
+            reason = str(error).split("\n")[0][:300]
+            raise ValueError(
+                f"The backup in {self.backup_dir} does not fit this array "
+                f"({reason}): it was written by another architecture or "
+                "array size. Resume with the backed-up settings, or delete "
+                "the directory to start over.") from None
         states = metadata.get("random_states", [])
         generators = _seed_generators(self.model)
         if len(states) != len(generators):
@@ -126,6 +143,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             seed_generator.GLOBAL_SEED_GENERATOR)
         metadata.write_text(json.dumps(
             {"epoch": epoch + 1, "weights": name, "sha256": digest,
+             "num_models": getattr(self.model, "num_models", None),
              "random_states": states,
              "global_random_state": None if global_generator is None
              else np.asarray(global_generator.state).tolist()}))

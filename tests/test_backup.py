@@ -51,10 +51,11 @@ def test_killed_run_resumes_to_the_uninterrupted_weights(
         np.testing.assert_array_equal(ours, theirs)
 
 
-def small_array():
+def small_array(num_models=2, units=2):
     x = keras.Input((3,))
-    array = hftatf.fuse(keras.Model(x, keras.layers.Dense(2)(x)), 2)
-    array.compile(optimizer=hftatf.optimizers.SGD([0.1, 0.2]), loss="mse")
+    array = hftatf.fuse(keras.Model(x, keras.layers.Dense(units)(x)),
+                        num_models)
+    array.compile(optimizer=hftatf.optimizers.SGD(0.1), loss="mse")
     return array
 
 
@@ -74,6 +75,21 @@ def test_corrupt_backup_is_reported_not_loaded(tmp_path):
         fit(array, BackupAndRestore(tmp_path))
     for ours, theirs in zip(array.weights, before):
         np.testing.assert_array_equal(np.asarray(ours), theirs)
+
+
+def test_backup_of_another_array_is_reported_not_loaded(tmp_path):
+    fit(small_array(), BackupAndRestore(tmp_path, delete_checkpoint=False))
+    with pytest.raises(ValueError, match="holds an array of 2 models; this "
+                                         "array has 3"):
+        fit(small_array(num_models=3), BackupAndRestore(tmp_path))
+    # Same size, other weights (a backup written before `num_models` was
+    # recorded, or another architecture): one line, no weight dump.
+    metadata = json.loads((tmp_path / METADATA).read_text())
+    del metadata["num_models"]
+    (tmp_path / METADATA).write_text(json.dumps(metadata))
+    with pytest.raises(ValueError, match="does not fit this array") as error:
+        fit(small_array(num_models=3), BackupAndRestore(tmp_path))
+    assert len(str(error.value)) < 800
 
 
 def test_unreadable_metadata_is_reported(tmp_path):
