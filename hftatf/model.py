@@ -27,6 +27,7 @@ from hftatf.layers import convolutional
 from hftatf.layers.base import (
     broadcast_to_models,
     has_accelerator,
+    keep_logits,
     model_pieces,
     runs_on_accelerator,
 )
@@ -249,7 +250,7 @@ def _model_slices(tensor, num_models):
     if logits is not None:
         for sliced, sliced_logits in zip(
                 slices, _unstack_models(logits, num_models)):
-            passes.keep_logits(sliced, sliced_logits)
+            keep_logits(sliced, sliced_logits)
     return slices
 
 
@@ -1066,7 +1067,7 @@ class FusedModel(keras.Model):
                 for _ in logits]  # one entry per output
         for t, has in zip(flat, logits):
             if has:
-                passes.keep_logits(t, passes.batch_first(next(arrays)))
+                keep_logits(t, passes.batch_first(next(arrays)))
         losses = next(arrays)
         sums = iter(sums)
         gradients = [None if g is None else next(arrays) if role

@@ -55,6 +55,8 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from hftatf.layers.base import carry_logits
+
 # Assumed when the system does not say (a common server CPU's L3).
 DEFAULT_CACHE_BYTES = 32 * 2**20
 # The most cache one core is credited with. Server CPUs have 1.5-4 MiB of
@@ -268,24 +270,16 @@ def batch_first(tensor):
     return ops.swapaxes(tensor, 0, 1)
 
 
-def keep_logits(tensor, logits):
-    """Attaches the logits Keras caches on softmax and sigmoid outputs."""
-    try:
-        tensor._keras_logits = logits
-    except AttributeError:
-        pass
-
-
 def concat_models(parts):
     """Joins the passes' `[batch, k, ...]` outputs on the model axis,
     keeping the logits Keras caches on softmax and sigmoid outputs."""
     if len(parts) == 1:
         return parts[0]
-    joined = ops.concatenate(parts, axis=1)
-    logits = [getattr(p, "_keras_logits", None) for p in parts]
-    if all(t is not None for t in logits):
-        keep_logits(joined, ops.concatenate(logits, axis=1))
-    return joined
+
+    def concatenate(tensors):
+        return ops.concatenate(tensors, axis=1)
+
+    return carry_logits(concatenate(parts), parts, concatenate)
 
 
 def concat_gradients(parts, starts, shape):

@@ -281,11 +281,17 @@ def carry_logits(output, sources, transform):
     rearrangement would lose them."""
     logits = [getattr(s, "_keras_logits", None) for s in sources]
     if sources and all(t is not None for t in logits):
-        try:
-            output._keras_logits = transform(logits)
-        except AttributeError:  # a tensor type without attributes
-            pass
+        keep_logits(output, transform(logits))
     return output
+
+
+def keep_logits(tensor, logits):
+    """Attaches `logits` to `tensor` as Keras caches them on softmax and
+    sigmoid outputs (where the tensor type takes attributes)."""
+    try:
+        tensor._keras_logits = logits
+    except AttributeError:
+        pass
 
 
 def rearranged(transform, tensor):
