@@ -34,10 +34,12 @@ from hftatf.layers.convolutional import (
 from hftatf.layers.dense import FusedDense, FusedEinsumDense
 from hftatf.layers.embedding import FusedEmbedding
 from hftatf.layers.fold import (
+    PER_BATCH_LAYERS,
     PER_SAMPLE_LAYERS,
     BroadcastToModels,
     FoldModelAxis,
     FusedFold,
+    FusedPerModel,
     FusedRandomCrop,
     SwapModelAxis,
     UnfoldModelAxis,
@@ -91,6 +93,7 @@ __all__ = [
     "FusedLSTM",
     "FusedMultiHeadAttention",
     "FusedNormalization",
+    "FusedPerModel",
     "FusedPReLU",
     "FusedRandomCrop",
     "FusedRMSNormalization",
@@ -99,6 +102,7 @@ __all__ = [
     "FusedSeparableConv2D",
     "FusedSimpleRNN",
     "FusedTimeDistributed",
+    "PER_BATCH_LAYERS",
     "PER_SAMPLE_LAYERS",
     "registry",
     "SwapModelAxis",

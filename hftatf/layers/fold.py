@@ -8,12 +8,14 @@ arguments of the stock layer keep their meaning, since the folded tensor has
 the stock rank. Activations with the models first, `[B, batch, ...]` (the
 layout `hftatf.fuse` keeps between per-model convolutions on a CPU), fold
 to `[B * batch, ...]` just as well; `SwapModelAxis` moves between the two
-layouts.
+layouts. A weightless layer that treats a batch as a whole (`MixUp`,
+`RandAugment`) runs once per model instead (`FusedPerModel`).
 """
 
 import keras
 import tensorflow as tf
 from keras import ops
+from keras.src import utils
 from keras.src.backend.tensorflow.random import _cast_seed
 from keras.src.random.seed_generator import draw_seed
 
@@ -55,9 +57,16 @@ PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
     # Preprocessing and masking.
     "Rescaling", "Resizing", "CenterCrop", "Masking", "UnitNormalization",
     "CategoryEncoding", "Discretization", "Hashing",
-    # Data augmentation: each model draws its own transformations.
+    # Data augmentation that draws its transformation per image: each
+    # model draws its own transformations.
     "RandomFlip", "RandomRotation", "RandomTranslation", "RandomZoom",
-    "RandomContrast", "RandomBrightness",
+    "RandomContrast", "RandomBrightness", "RandomColorDegeneration",
+    "RandomColorJitter", "RandomGrayscale", "RandomHue", "RandomSaturation",
+    "RandomSharpness", "RandomShear", "RandomPerspective", "RandomInvert",
+    "RandomPosterization", "RandomErasing", "Solarization",
+    # Per-image contrast adjustments and audio features.
+    "AutoContrast", "ContrastLimitedAdaptiveHistogramEqualization",
+    "MelSpectrogram",
     # A user function: folded like a raw operation, so it must act on each
     # sample on its own (no reduction over the batch axis).
     "Lambda",
@@ -253,7 +262,9 @@ class FusedFold(keras.layers.Wrapper):
             layer, (keras.layers.Lambda, keras.layers.Masking)))
 
     def build(self, input_shape):
-        if not self.layer.built:
+        # A layer without a `build` of its own (`Pipeline`) builds on its
+        # first call, as in a stock model.
+        if not self.layer.built and not utils.is_default(self.layer.build):
             self.layer.build(keras.tree.map_shape_structure(
                 self._fold_shape, input_shape))
         if self.layer.weights:
@@ -413,6 +424,64 @@ class FusedRandomCrop(FusedFold):
                     [leading, [target]], 0)),
                 axis=rank + axis, batch_dims=2)
         return images
+
+
+# Stock layers without weights that treat a batch as a whole: they mix its
+# samples (`MixUp`, `CutMix`), draw one transformation for all of them
+# (`RandAugment`'s operations, `AugMix`'s chain, `RandomGaussianBlur`'s
+# sigma, `RandomElasticTransform`'s distortion), or take statistics over it
+# (`Equalization`'s histograms); and `Pipeline`, which may hold such layers.
+PER_BATCH_LAYERS = tuple(getattr(keras.layers, name) for name in (
+    "MixUp", "CutMix", "RandAugment", "AugMix", "RandomGaussianBlur",
+    "RandomElasticTransform", "Equalization", "Pipeline",
+))
+
+
+@hftatf_export
+@registry.register(*PER_BATCH_LAYERS)
+class FusedPerModel(FusedFold):
+    """A stock layer without weights that treats a batch as a whole,
+    applied to each model's batch on its own.
+
+    Folded over the models, `MixUp` would mix one model's images with
+    another's, and a layer that draws once per batch (`RandAugment`,
+    `RandomGaussianBlur`, ...) would give all B models the same draw.
+    Here the stock layer runs once per model, on that model's batch, in
+    model order: model `b` gets what the stock layer gives one job's
+    batch, its draws the next ones of the layer's seed generator (so the
+    B models draw independently, and in either layout the same). A layer
+    of your own without weights that treats a batch as a whole fuses the
+    same way once registered:
+    `hftatf.layers.registry.register(MyLayer)(hftatf.layers.FusedPerModel)`.
+
+    Layout and arguments: as `FusedFold`.
+    """
+
+    @classmethod
+    def takes_models_first(cls, layer):
+        # A model's batch is a view with the models first.
+        return True
+
+    def call(self, inputs, training=None, mask=None):
+        kwargs = {}
+        if self.layer._call_has_training_arg and training is not None:
+            kwargs["training"] = training
+        axis = model_axis_of(self.models_first)
+        tensors = keras.tree.flatten(inputs)
+        for tensor in tensors:
+            check_model_axis(self.name, self.num_models,
+                             tuple(tensor.shape), axis)
+        pieces = [model_pieces(t, self.num_models, axis) for t in tensors]
+        outputs = []
+        for b in range(self.num_models):
+            if not _no_mask(mask) and self.layer._call_has_mask_arg:
+                kwargs["mask"] = keras.tree.map_structure(
+                    lambda m, b=b: None if m is None
+                    else ops.take(m, b, axis), mask)
+            outputs.append(self.layer(keras.tree.pack_sequence_as(
+                inputs, [p[b] for p in pieces]), **kwargs))
+        return keras.tree.map_structure(
+            lambda *ys: stack_models(list(ys), axis), *outputs)
 
 
 @hftatf_export

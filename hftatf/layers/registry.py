@@ -52,7 +52,9 @@ def fused_form(layer):
             hint = (f" A layer without weights that computes each sample on "
                     f"its own fuses by folding the models into the batch: "
                     f"hftatf.layers.registry.register({name})("
-                    "hftatf.layers.FusedFold).")
+                    "hftatf.layers.FusedFold); one that treats the batch as "
+                    "a whole (mixing its samples, or drawing once per "
+                    "batch) with hftatf.layers.FusedPerModel instead.")
         raise ValueError(
             f"hftatf cannot fuse layer '{layer.name}' of class "
             f"{type(layer).__module__}.{name}: it has no fused "

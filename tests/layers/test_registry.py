@@ -92,6 +92,9 @@ REQUIRED_ARGS = {
     "RandomRotation": (0.1,), "RandomTranslation": (0.1, 0.1),
     "RandomZoom": (0.1,), "RandomContrast": (0.1,),
     "RandomBrightness": (0.1,), "Lambda": (abs,),
+    "RandomColorDegeneration": (0.1,), "RandomHue": (0.1,),
+    "RandomSaturation": (0.1,), "RandomSharpness": (0.1,),
+    "RandomPosterization": (4,),
 }
 
 
