@@ -302,7 +302,7 @@ class _Walker:
         inputs do not have them first (see the class docstring)."""
         return (self._takes_models_first(layer)
                 and self._feeds_models_first.get(id(layer), False)
-                and (registry.fused_form(layer).prefers_models_first
+                and (registry.prefers_models_first(layer)
                      or self._leads_models_first.get(id(layer), False)))
 
     def _runs_models_first(self, layer, tensors):

@@ -493,6 +493,18 @@ class FusedModel(keras.Model):
             auto_scale_loss=auto_scale_loss)
         self._per_model_labels = per_model_labels
         self._user_loss = loss
+        if (models_per_pass not in (None, "auto")
+                and models_per_pass < self.num_models
+                and self._weights_assigned_in_training()):
+            layer = next(layer for layer in self._flatten_layers()
+                         if getattr(layer, "assigns_weights_in_training",
+                                    False))
+            raise ValueError(
+                f"Array '{self.name}' trains in one pass: its layer "
+                f"'{layer.name}' ({type(layer).__name__}) assigns trainable "
+                "weights in its forward pass, which passes of fewer models "
+                "cannot carry. Received: "
+                f"models_per_pass={models_per_pass!r}; use None or 'auto'.")
         self._models_per_pass = models_per_pass
         self._resolved_models_per_pass = None
         strategy = self._distribute_strategy
@@ -575,6 +587,13 @@ class FusedModel(keras.Model):
         # are slower than TensorFlow's oneDNN kernels, and it takes minutes
         # to compile a deep convolutional network (benchmarks/README.md).
         return not self._has_convolutions()
+
+    def _weights_assigned_in_training(self):
+        """The trainable weights that a forward pass in training assigns
+        (a spectral normalization's kernel), in no particular order."""
+        return [variable for layer in self._flatten_layers()
+                if getattr(layer, "assigns_weights_in_training", False)
+                for variable in layer.trainable_weights]
 
     def _has_convolutions(self):
         return any(convolutional.is_convolution(layer)
@@ -860,6 +879,7 @@ class FusedModel(keras.Model):
                 count = setting
             elif (self._distribute_strategy is not None
                   or runs_on_accelerator()
+                  or self._weights_assigned_in_training()
                   # Convolutional arrays without XLA: passes measured no
                   # faster (benchmarks/README.md).
                   or (not self.jit_compile and self._has_convolutions())):
@@ -1084,6 +1104,7 @@ class FusedModel(keras.Model):
         diverging models theirs back. Take it before the forward pass."""
         variables = [v for v in self.non_trainable_variables
                      if len(v.shape) and v.shape[0] == self.num_models]
+        variables += self._weights_assigned_in_training()
         return variables, [ops.copy(v) for v in variables]
 
     def apply_model_gradients(self, updates, losses, state=None):

@@ -57,7 +57,11 @@ from hftatf.layers.recurrent import (
     FusedRNN,
     FusedSimpleRNN,
 )
-from hftatf.layers.wrappers import FusedBidirectional, FusedTimeDistributed
+from hftatf.layers.wrappers import (
+    FusedBidirectional,
+    FusedSpectralNormalization,
+    FusedTimeDistributed,
+)
 
 __all__ = [
     "BroadcastToModels",
@@ -101,6 +105,7 @@ __all__ = [
     "FusedSeparableConv1D",
     "FusedSeparableConv2D",
     "FusedSimpleRNN",
+    "FusedSpectralNormalization",
     "FusedTimeDistributed",
     "PER_BATCH_LAYERS",
     "PER_SAMPLE_LAYERS",

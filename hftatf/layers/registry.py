@@ -86,6 +86,15 @@ def takes_models_first(layer):
             layer)
 
 
+def prefers_models_first(layer):
+    """Whether the fused form of `layer` computes faster with the models
+    first, so that `hftatf.fuse` gives it that layout even from inputs
+    without it (a class attribute of the form, or a class method of the
+    stock layer where it depends on it)."""
+    prefers = getattr(fused_form(layer), "prefers_models_first", False)
+    return bool(prefers(layer) if callable(prefers) else prefers)
+
+
 def fuse_layer(layer, num_models, shared_input=False, models_first=False):
     """Returns the fused form of the stock `layer` (weights not copied).
 

@@ -1,9 +1,11 @@
-"""Fused layer wrappers: TimeDistributed and Bidirectional over a model axis.
+"""Fused layer wrappers over a model axis: TimeDistributed, Bidirectional
+and SpectralNormalization.
 
-Both wrap fused layers: `from_stock` fuses the stock wrapper's inner layers
+They wrap fused layers: `from_stock` fuses the stock wrapper's inner layers
 through the registry, so any layer with a fused form can be time-distributed
-and any fused recurrent layer made bidirectional. Their weights are those of
-the inner fused layers, in the stock wrapper's `get_weights()` order.
+(or spectrally normalized, given a kernel) and any fused recurrent layer
+made bidirectional. Their weights are those of the inner fused layers (and
+the wrapper's own), in the stock wrapper's `get_weights()` order.
 """
 
 import keras
@@ -11,10 +13,12 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
+from hftatf.layers.base import StackedInitializer
 from hftatf.layers.recurrent import FusedRecurrent
 from hftatf.validation import check_model_axis, check_num_models
 
-__all__ = ["FusedBidirectional", "FusedTimeDistributed"]
+__all__ = ["FusedBidirectional", "FusedSpectralNormalization",
+           "FusedTimeDistributed"]
 
 
 def _check_inner(wrapper, role, layer, num_models):
@@ -230,5 +234,144 @@ class FusedBidirectional(keras.layers.Bidirectional):
 
     def get_config(self):
         config = super().get_config()
+        config["num_models"] = self.num_models
+        return config
+
+
+@hftatf_export
+@registry.register(keras.layers.SpectralNormalization)
+class FusedSpectralNormalization(keras.layers.Wrapper):
+    """`keras.layers.SpectralNormalization` for an array of `num_models`
+    models.
+
+    Layout: the wrapped fused layer's (inputs, outputs, and the models
+    first or a shared input where it takes them).
+    Weights: as the stock wrapper's, in its order: the wrapped layer's
+    kernel (or embeddings), `vector_u` (`[B, 1, units]`, not trainable),
+    then the wrapped layer's other weights; `[B, *stock shape]` each.
+
+    In training, as the stock wrapper, each call first estimates each
+    model's largest singular value of its kernel (reshaped to `[-1,
+    units]`) by `power_iterations` steps of power iteration from that
+    model's `vector_u`, then assigns the kernel divided by it and the new
+    `vector_u`; a model whose kernel is all zeros keeps both. The wrapped
+    layer then computes with the normalized kernel, and the gradient is
+    that of the normalized kernel, as in the stock layer. Since the call
+    assigns a trainable weight, an array with this layer trains in one
+    pass (`models_per_pass`).
+
+    Args:
+        layer: a fused layer of `num_models` models with a `kernel` or
+            `embeddings` weight (a `FusedDense`, a fused convolution, ...).
+        num_models: the number of models `B` in the array.
+        power_iterations: as in the stock wrapper.
+    """
+
+    # A forward pass in training assigns the kernel: the array snapshots it
+    # for frozen models and does not split its step into passes.
+    assigns_weights_in_training = True
+
+    def __init__(self, layer, num_models, power_iterations=1, **kwargs):
+        super().__init__(layer, **kwargs)
+        self.num_models = check_num_models(num_models)
+        _check_inner("FusedSpectralNormalization", "layer", layer,
+                     self.num_models)
+        if power_iterations <= 0:
+            raise ValueError(
+                "`power_iterations` should be greater than zero. Received: "
+                f"`power_iterations={power_iterations}`")
+        self.power_iterations = power_iterations
+
+    @classmethod
+    def from_stock(cls, layer, num_models, **kwargs):
+        """Fuses a stock `SpectralNormalization`, its inner layer by the
+        registry (weights not copied); `kwargs` (`shared_input`,
+        `models_first`) go to the inner layer."""
+        return cls(registry.fuse_layer(layer.layer, num_models, **kwargs),
+                   num_models, power_iterations=layer.power_iterations,
+                   name=layer.name, dtype=layer.dtype_policy,
+                   trainable=layer.trainable)
+
+    @classmethod
+    def takes_models_first(cls, layer):
+        return registry.takes_models_first(layer.layer)
+
+    @classmethod
+    def fuses_shared_input(cls, layer):
+        return registry.takes_shared_input(layer.layer)
+
+    @classmethod
+    def prefers_models_first(cls, layer):
+        return registry.prefers_models_first(layer.layer)
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        # The stock `Wrapper.from_config` pops "layer" from the caller's
+        # dict; work on a copy.
+        return super().from_config(dict(config), custom_objects)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        if hasattr(self.layer, "kernel"):
+            self.kernel = self.layer.kernel
+        elif hasattr(self.layer, "embeddings"):
+            self.kernel = self.layer.embeddings
+        else:
+            raise ValueError(
+                f"{type(self.layer).__name__} object has no attribute "
+                "'kernel' nor 'embeddings'")
+        self.vector_u = self.add_weight(
+            shape=(self.num_models, 1, self.kernel.shape[-1]),
+            initializer=StackedInitializer(
+                keras.initializers.TruncatedNormal(stddev=0.02),
+                self.num_models),
+            trainable=False,
+            name="vector_u",
+            dtype=self.kernel.dtype,
+        )
+
+    def call(self, inputs, training=False):
+        if training:
+            new_vector_u, new_kernel = self.normalized_weights()
+            self.vector_u.assign(new_vector_u)
+            self.kernel.assign(new_kernel)
+        output = self.layer(inputs)
+        return ops.cast(output, inputs.dtype)
+
+    def compute_output_shape(self, input_shape):
+        return self.layer.compute_output_shape(input_shape)
+
+    def normalized_weights(self):
+        """Each model's spectrally normalized kernel and new `vector_u`
+        (the stock computation, batched over the model axis)."""
+        kernel = self.kernel.value
+        per_model = (self.num_models, 1) + (1,) * (len(kernel.shape) - 2)
+        weights = ops.reshape(
+            kernel, (self.num_models, -1, kernel.shape[-1]))
+        vector_u = self.vector_u.value
+        for _ in range(self.power_iterations):
+            vector_v = ops.normalize(ops.matmul(
+                vector_u, ops.swapaxes(weights, 1, 2)), axis=(1, 2))
+            vector_u = ops.normalize(
+                ops.matmul(vector_v, weights), axis=(1, 2))
+        vector_u = ops.stop_gradient(vector_u)
+        vector_v = ops.stop_gradient(vector_v)
+        sigma = ops.matmul(ops.matmul(vector_v, weights),
+                           ops.swapaxes(vector_u, 1, 2))
+        normalized = ops.divide(kernel, ops.reshape(sigma, per_model))
+        # A model whose kernel is all zeros keeps its weights, as the
+        # stock layer's `cond` does for the whole kernel.
+        zero = ops.all(ops.equal(kernel, 0),
+                       axis=tuple(range(1, len(kernel.shape))))
+        new_vector_u = ops.where(ops.reshape(zero, (-1, 1, 1)),
+                                 self.vector_u.value, vector_u)
+        new_kernel = ops.where(ops.reshape(zero, per_model), kernel,
+                               normalized)
+        return (ops.cast(new_vector_u, self.vector_u.dtype),
+                ops.cast(new_kernel, self.kernel.dtype))
+
+    def get_config(self):
+        config = super().get_config()
+        config["power_iterations"] = self.power_iterations
         config["num_models"] = self.num_models
         return config

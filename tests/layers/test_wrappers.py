@@ -1,5 +1,6 @@
-"""Fused wrappers against their oracle: B stock TimeDistributed and
-Bidirectional layers, with random weights stacked into one fused wrapper."""
+"""Fused wrappers against their oracle: B stock TimeDistributed,
+Bidirectional and SpectralNormalization layers, with random weights stacked
+into one fused wrapper."""
 
 import keras
 import numpy as np
@@ -17,6 +18,7 @@ from hftatf.layers import (
     FusedBidirectional,
     FusedDense,
     FusedLSTM,
+    FusedSpectralNormalization,
     FusedTimeDistributed,
     registry,
 )
@@ -360,3 +362,141 @@ def test_fuse_models_masked_classifier():
     for m, unfused in zip(models, array.unfuse()):
         for got, expected in zip(unfused.get_weights(), m.get_weights()):
             np.testing.assert_array_equal(got, expected)
+
+
+# SpectralNormalization.
+
+
+def spectral(layer, **kwargs):
+    return keras.layers.SpectralNormalization(layer, **kwargs)
+
+
+SPECTRAL_CASES = {
+    "Dense": (lambda: spectral(keras.layers.Dense(UNITS, activation="tanh")),
+              (FEATURES,)),
+    "Dense_sequence_3_iterations": (lambda: spectral(
+        keras.layers.Dense(UNITS), power_iterations=3), (STEPS, FEATURES)),
+    "Conv2D": (lambda: spectral(keras.layers.Conv2D(
+        UNITS, 3, padding="same", activation="relu")), (5, 5, 2)),
+    "Conv1DTranspose": (lambda: spectral(keras.layers.Conv1DTranspose(
+        UNITS, 2, strides=2)), (STEPS, 2)),
+    "EinsumDense": (lambda: spectral(keras.layers.EinsumDense(
+        "abc,cd->abd", (None, UNITS), bias_axes="d")), (STEPS, FEATURES)),
+}
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("case", sorted(SPECTRAL_CASES))
+def test_spectral_normalization_matches_stock(case, training):
+    make, input_shape = SPECTRAL_CASES[case]
+    rng = np.random.default_rng(20)
+    stock = stock_wrappers(make, input_shape, rng)
+    fused = fused_twin(stock, input_shape)
+    assert type(fused) is FusedSpectralNormalization
+    kernel = fused.get_weights()[0]
+    # Outputs, gradients, and after the call the normalized kernels and
+    # vectors (assigned in training), per model.
+    compare_layer_with_stock(stock, fused, [per_model_inputs(
+        rng, input_shape)], rng, training=training)
+    assert np.allclose(fused.get_weights()[0], kernel) != training
+
+
+def test_spectral_normalization_of_an_embedding_and_a_zero_kernel():
+    rng = np.random.default_rng(21)
+    stock = []
+    for _ in range(NUM_MODELS):
+        layer = spectral(keras.layers.Embedding(7, UNITS))
+        layer.build((None, STEPS))
+        randomize_weights(layer, rng, scale=0.5)
+        stock.append(layer)
+    # Model 0's table is all zeros: it keeps it and its vector, as the
+    # stock layer does, while model 1 is normalized.
+    weights = stock[0].get_weights()
+    stock[0].set_weights([np.zeros_like(weights[0]), *weights[1:]])
+    fused = registry.fuse_layer(stock[0], NUM_MODELS)
+    fused.build((None, NUM_MODELS, STEPS))
+    fused.set_weights(stacked_weights(stock))
+    before = fused.get_weights()
+    ids = rng.integers(0, 7, (BATCH, NUM_MODELS, STEPS))
+    y = np.asarray(fused(ids, training=True))
+    after = fused.get_weights()
+    for b, layer in enumerate(stock):
+        assert_close(y[:, b], layer(ids[:, b], training=True))
+        for got, expected in zip(after, layer.get_weights()):
+            assert_close(got[b], expected)
+    for got, old in zip(after, before):
+        np.testing.assert_array_equal(got[0], old[0])
+    assert not np.allclose(after[0][1], before[0][1])
+
+
+def spectral_model():
+    inputs = keras.Input((6, 6, 2))
+    hidden = spectral(keras.layers.Conv2D(4, 3, activation="relu"),
+                      power_iterations=2)(inputs)
+    hidden = keras.layers.Flatten()(hidden)
+    hidden = spectral(keras.layers.Dense(5, activation="tanh"))(hidden)
+    return keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def test_spectral_normalization_trains_each_model_like_stock():
+    rng = np.random.default_rng(22)
+    learning_rates = [0.1, 0.05, 0.01]
+    array = hftatf.fuse(spectral_model(), len(learning_rates))
+    assert sum(isinstance(layer, FusedSpectralNormalization)
+               for layer in array.layers) == 2
+    stock = array.unfuse()
+    x = rng.standard_normal((16, 6, 6, 2)).astype("float32")
+    y = rng.standard_normal((16, 1)).astype("float32")
+    array.compile(hftatf.optimizers.SGD(learning_rates), loss="mse")
+    array.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    for b, (model, rate) in enumerate(zip(stock, learning_rates)):
+        model.compile(keras.optimizers.SGD(rate), loss="mse")
+        model.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
+        trained = array.unfuse()[b]
+        assert [w.path for w in trained.weights] == [
+            w.path for w in model.weights]
+        for got, expected in zip(trained.get_weights(), model.get_weights()):
+            assert_close(got, expected, err_msg=f"model {b}")
+    # fuse_models stacks the stock models back, vectors included.
+    again = hftatf.fuse_models(stock)
+    assert_close(again.predict(x, verbose=0), np.stack(
+        [m.predict(x, verbose=0) for m in stock], axis=1))
+
+
+def test_spectral_normalization_trains_in_one_pass_and_keeps_frozen_models():
+    rng = np.random.default_rng(23)
+    inputs = keras.Input((4,))
+    hidden = spectral(keras.layers.Dense(8, activation="relu"))(inputs)
+    array = hftatf.fuse(keras.Model(inputs, keras.layers.Dense(1)(hidden)),
+                        NUM_MODELS)
+    with pytest.raises(ValueError, match="assigns trainable weights"):
+        array.compile("sgd", loss="mse", models_per_pass=1)
+    array.compile("sgd", loss="mse", jit_compile=True)
+    array.freeze_models([1])
+    before = array.get_weights()
+    x = rng.standard_normal((8, 4)).astype("float32")
+    array.fit(x, np.ones((8, 1)), epochs=1, batch_size=4, verbose=0)
+    assert array.models_per_pass == NUM_MODELS
+    after = array.get_weights()
+    for old, new in zip(before, after):
+        np.testing.assert_array_equal(new[1], old[1])
+    assert not np.allclose(after[0][0], before[0][0])
+
+
+def test_spectral_normalization_config_round_trip(tmp_path):
+    array = hftatf.fuse(spectral_model(), NUM_MODELS)
+    path = tmp_path / "array.keras"
+    array.save(path)
+    loaded = keras.saving.load_model(path)
+    x = np.random.default_rng(24).standard_normal((4, 6, 6, 2)).astype(
+        "float32")
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0),
+                                  array.predict(x, verbose=0))
+    layer = [la for la in loaded.layers
+             if isinstance(la, FusedSpectralNormalization)][0]
+    assert layer.power_iterations == 2
+    with pytest.raises(ValueError, match="power_iterations"):
+        FusedSpectralNormalization(FusedDense(2, UNITS), 2,
+                                   power_iterations=0)
+    with pytest.raises(ValueError, match="num_models=3"):
+        FusedSpectralNormalization(FusedDense(3, UNITS), 2)
