@@ -52,6 +52,9 @@ from hftatf.layers.normalization import (
     FusedRMSNormalization,
 )
 from hftatf.layers.recurrent import (
+    FusedConvLSTM1D,
+    FusedConvLSTM2D,
+    FusedConvLSTM3D,
     FusedGRU,
     FusedLSTM,
     FusedRNN,
@@ -81,6 +84,9 @@ __all__ = [
     "FusedConv2DTranspose",
     "FusedConv3D",
     "FusedConv3DTranspose",
+    "FusedConvLSTM1D",
+    "FusedConvLSTM2D",
+    "FusedConvLSTM3D",
     "FusedDense",
     "FusedDepthwiseConv1D",
     "FusedDepthwiseConv2D",

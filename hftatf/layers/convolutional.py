@@ -161,7 +161,25 @@ def _models_into_axis(kernel, axis):
     return ops.reshape(kernel, (*shape[:-3], shape[-3] * shape[-2], shape[-1]))
 
 
-def _channels_last(layer_class, data_format):
+def per_model_conv(inputs, kernel, implementation="auto", **arguments):
+    """Model `b`'s inputs convolved with `kernel[b]`, for every `b`.
+
+    `inputs` `[batch, B, *spatial, C]`, `kernel` `[B, *k, C, F]`; the
+    result is `[batch, B, *spatial', F]`. `arguments` are `ops.conv`'s
+    (`strides`, `padding`, `dilation_rate`; channels last). As the fused
+    convolutions choose: one grouped convolution on a GPU or TPU, B
+    convolutions on a CPU (`implementation`).
+    """
+    num_models = kernel.shape[0]
+    if _uses_grouped_kernel(implementation):
+        return _unfold(ops.conv(_fold(inputs, num_models),
+                                _models_into_axis(kernel, -1), **arguments),
+                       num_models)
+    return ops.stack([ops.conv(inputs[:, b], kernel[b], **arguments)
+                      for b in range(num_models)], axis=1)
+
+
+def channels_last(layer_class, data_format):
     resolved = (keras.config.image_data_format() if data_format is None
                 else data_format)
     if isinstance(resolved, str) and resolved.lower() == "channels_last":
@@ -231,7 +249,7 @@ class _FusedConvolution(FusedLayer):
                 "layer and use padding='valid'."
             )
         self.padding = standardize_padding(padding, allow_causal=allow_causal)
-        self.data_format = _channels_last(type(self).__name__, data_format)
+        self.data_format = channels_last(type(self).__name__, data_format)
         self.activation = keras.activations.get(activation)
         self.use_bias = use_bias
         self.bias_initializer = keras.initializers.get(bias_initializer)

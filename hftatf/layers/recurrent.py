@@ -19,15 +19,23 @@ fuses as that layer (`FusedRNN`).
 
 import keras
 from keras import ops
+from keras.src.layers.rnn import conv_lstm
 from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
+from keras.src.ops.operation_utils import compute_conv_output_shape
+from keras.src.utils.argument_validation import (
+    standardize_padding,
+    standardize_tuple,
+)
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
+from hftatf.layers.convolutional import channels_last, per_model_conv
 from hftatf.layers.fold import fold_model_axis, unfold_model_axis
 from hftatf.validation import check_model_axis
 
-__all__ = ["FusedGRU", "FusedLSTM", "FusedRNN", "FusedSimpleRNN"]
+__all__ = ["FusedConvLSTM1D", "FusedConvLSTM2D", "FusedConvLSTM3D",
+           "FusedGRU", "FusedLSTM", "FusedRNN", "FusedSimpleRNN"]
 
 
 class UnitForgetBias(keras.initializers.Initializer):
@@ -177,28 +185,50 @@ class FusedRecurrentCell(FusedLayer, DropoutRNNCell):
         return None
 
     def unfold(self, x):
-        """`[batch * B, d]` -> `[batch, B, d]`."""
-        return ops.reshape(x, (-1, self.num_models, x.shape[-1]))
+        """`[batch * B, *s]` -> `[batch, B, *s]`."""
+        return ops.reshape(x, (-1, self.num_models, *x.shape[1:]))
 
     def fold(self, x):
-        """`[batch, B, d]` -> `[batch * B, d]`."""
-        return ops.reshape(x, (-1, x.shape[-1]))
+        """`[batch, B, *s]` -> `[batch * B, *s]`."""
+        return ops.reshape(x, (-1, *x.shape[2:]))
 
-    def project(self, x, mask, kernel):
+    def project(self, x, mask, kernel, product=None):
         """Model `b`'s rows of the folded `x` times `kernel[b]`.
 
         `x` is `[batch * B, d]`, `kernel` `[B, d, k]`, the result
         `[batch, B, k]`. `mask` is `None`, one dropout mask for the whole
         kernel, or a list of masks, one per equal block of its columns (the
         stock implementation 1, which drops the input of each gate apart).
+        `product(x, kernel)` replaces the matrix product (a convolution).
         """
         if isinstance(mask, (list, tuple)):
             blocks = ops.split(kernel, len(mask), axis=-1)
             return ops.concatenate(
-                [self.project(x, m, k) for m, k in zip(mask, blocks)], axis=-1)
+                [self.project(x, m, k, product)
+                 for m, k in zip(mask, blocks)], axis=-1)
         if mask is not None:
             x = x * mask
+        if product is not None:
+            return product(x, kernel)
         return ops.einsum("bmi,mio->bmo", self.unfold(x), kernel)
+
+    def project_inputs(self, inputs, training):
+        """The step's inputs, dropped out, times `kernel`: `[batch, B,
+        ...]`."""
+        return self.project(inputs, self.input_mask(inputs, training),
+                            self.kernel)
+
+    def project_state(self, state, training):
+        """The previous output, dropped out, times `recurrent_kernel`."""
+        return self.project(state, self.recurrent_mask(state, training),
+                            self.recurrent_kernel)
+
+    def add_bias(self, z):
+        """`z` (`[batch, B, ..., k]`) plus each model's bias `[B, k]`."""
+        if self.bias is None:
+            return z
+        shape = (self.num_models, *[1] * (len(z.shape) - 3), -1)
+        return z + ops.reshape(self.bias, shape)
 
     def call(self, inputs, states, training=False):
         nested = isinstance(states, (list, tuple))
@@ -265,15 +295,8 @@ class FusedSimpleRNNCell(FusedRecurrentCell):
         return bool(training) and rate > 0.0
 
     def step(self, inputs, states, training):
-        h = self.project(inputs, self.input_mask(inputs, training),
-                         self.kernel)
-        if self.bias is not None:
-            h = h + self.bias
-        previous = states[0]
-        output = h + self.project(
-            previous, self.recurrent_mask(previous, training),
-            self.recurrent_kernel)
-        output = self.activation(output)
+        h = self.add_bias(self.project_inputs(inputs, training))
+        output = self.activation(h + self.project_state(states[0], training))
         return output, [output]
 
 
@@ -301,12 +324,8 @@ class FusedLSTMCell(FusedRecurrentCell):
 
     def step(self, inputs, states, training):
         h_tm1, c_tm1 = states
-        z = self.project(inputs, self.input_mask(inputs, training),
-                         self.kernel)
-        z = z + self.project(h_tm1, self.recurrent_mask(h_tm1, training),
-                             self.recurrent_kernel)
-        if self.bias is not None:
-            z = z + self.bias
+        z = self.add_bias(self.project_inputs(inputs, training)
+                          + self.project_state(h_tm1, training))
         z_i, z_f, z_c, z_o = ops.split(z, 4, axis=-1)
         i = self.recurrent_activation(z_i)
         f = self.recurrent_activation(z_f)
@@ -465,7 +484,7 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
             return_sequences=return_sequences, return_state=return_state,
             go_backwards=go_backwards, stateful=stateful, unroll=unroll,
             **kwargs)
-        self.input_spec = keras.layers.InputSpec(ndim=4)
+        self.input_spec = keras.layers.InputSpec(ndim=self.state_ndim + 1)
 
     units = _cell_property("units")
     activation = _cell_property("activation")
@@ -481,6 +500,14 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
     bias_constraint = _cell_property("bias_constraint")
     dropout = _cell_property("dropout")
     recurrent_dropout = _cell_property("recurrent_dropout")
+
+    # The layout of each state.
+    state_layout = "[batch, num_models, units]"
+
+    @property
+    def state_ndim(self):
+        """The rank of a state, `[batch, B, units]`."""
+        return 3
 
     @classmethod
     def from_stock(cls, layer, num_models):
@@ -507,7 +534,8 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
         check_model_axis(self.name, self.num_models, sequences_shape)
         super().build(self._fold_shape(sequences_shape))
         self.input_spec = keras.layers.InputSpec(
-            ndim=4, axes={1: self.num_models, -1: sequences_shape[-1]})
+            ndim=self.state_ndim + 1,
+            axes={1: self.num_models, -1: sequences_shape[-1]})
 
     def compute_output_shape(self, sequences_shape, initial_state_shape=None):
         shapes = super().compute_output_shape(
@@ -536,13 +564,14 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
             raise ValueError(
                 f"Layer '{self.name}' has {len(self.state_size)} state(s); "
                 f"received {len(states)} initial state tensor(s). Pass one "
-                "[batch, num_models, units] tensor per state.")
+                f"{self.state_layout} tensor per state.")
         for state in states:
             shape = tuple(state.shape)
-            if len(shape) != 3 or shape[1] not in (None, self.num_models):
+            if (len(shape) != self.state_ndim
+                    or shape[1] not in (None, self.num_models)):
                 raise ValueError(
                     f"Layer '{self.name}' expects initial states of shape "
-                    f"[batch, num_models, units] with num_models="
+                    f"{self.state_layout} with num_models="
                     f"{self.num_models}. Received an initial state of shape "
                     f"{shape}.")
         return [fold_model_axis(ops.convert_to_tensor(s)) for s in states]
@@ -745,6 +774,243 @@ class FusedGRU(FusedRecurrent):
 
     recurrent_activation = _cell_property("recurrent_activation")
     reset_after = _cell_property("reset_after")
+
+
+class FusedConvLSTMCell(FusedLSTMCell):
+    """`keras.layers.ConvLSTM*D`'s cell for B models (folded layout, see
+    `FusedRecurrentCell`): the LSTM cell whose products are convolutions.
+
+    Step input `[batch * B, *spatial, channels]`, states `[batch * B,
+    *spatial', filters]` each. Weights, gates `i, f, c, o` as in the stock
+    cell: `kernel` `[B, *kernel_size, channels, 4 * filters]`,
+    `recurrent_kernel` `[B, *kernel_size, filters, 4 * filters]`, `bias`
+    `[B, 4 * filters]`. The input convolution takes the layer's `strides`,
+    `padding` and `dilation_rate`; the recurrent one strides 1 and "same"
+    padding, as in the stock cell. Each gate draws its own dropout masks,
+    as the stock cell does. Channels last only.
+    """
+
+    def __init__(self, num_models, rank, filters, kernel_size, strides=1,
+                 padding="valid", data_format=None, dilation_rate=1,
+                 **kwargs):
+        kwargs.pop("implementation", None)
+        super().__init__(num_models, filters, implementation=1, **kwargs)
+        self.rank = rank
+        self.filters = filters
+        self.kernel_size = standardize_tuple(kernel_size, rank, "kernel_size")
+        self.strides = standardize_tuple(strides, rank, "strides",
+                                         allow_zero=True)
+        self.padding = standardize_padding(padding)
+        self.data_format = channels_last(type(self).__name__, data_format)
+        self.dilation_rate = standardize_tuple(
+            dilation_rate, rank, "dilation_rate")
+        if max(self.strides) > 1 and max(self.dilation_rate) > 1:
+            raise ValueError(
+                "Specifying `strides > 1` is not compatible with "
+                "`dilation_rate > 1`. Please provide `strides=1` or "
+                "`dilation_rate=1`. "
+                f"Received: strides={self.strides} and "
+                f"dilation_rate={self.dilation_rate}")
+        self.spatial_dims = None
+        self.input_dim = None
+
+    def build(self, input_shape):
+        self.spatial_dims = tuple(input_shape[1:-1])
+        if None in self.spatial_dims:
+            raise ValueError(
+                "ConvLSTM layers only support static input shapes for the "
+                "spatial dimension. Received invalid input shape: "
+                f"input_shape={input_shape}")
+        if input_shape[-1] is None:
+            raise ValueError(
+                "The channel dimension of the inputs (last axis) should be "
+                "defined. Found None. Full input shape received: "
+                f"input_shape={input_shape}")
+        self.input_dim = input_shape[-1]
+        width = 4 * self.filters
+        self.kernel = self.add_model_weight(
+            (*self.kernel_size, self.input_dim, width), name="kernel",
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint)
+        self.recurrent_kernel = self.add_model_weight(
+            (*self.kernel_size, self.filters, width),
+            name="recurrent_kernel",
+            initializer=self.recurrent_initializer,
+            regularizer=self.recurrent_regularizer,
+            constraint=self.recurrent_constraint)
+        self.bias = None
+        if self.use_bias:
+            self.bias = self.add_model_weight(
+                (width,), name="bias",
+                initializer=self.bias_weight_initializer(),
+                regularizer=self.bias_regularizer,
+                constraint=self.bias_constraint)
+
+    def _convolution(self, strides, padding, dilation_rate):
+        def product(x, kernel):
+            return per_model_conv(
+                self.unfold(x), kernel, strides=strides, padding=padding,
+                dilation_rate=dilation_rate, data_format="channels_last")
+
+        return product
+
+    def project_inputs(self, inputs, training):
+        return self.project(
+            inputs, self.input_mask(inputs, training), self.kernel,
+            self._convolution(self.strides, self.padding,
+                              self.dilation_rate))
+
+    def project_state(self, state, training):
+        return self.project(
+            state, self.recurrent_mask(state, training),
+            self.recurrent_kernel, self._convolution(1, "same", 1))
+
+    def compute_output_shape(self, inputs_shape, states_shape=None):
+        output = compute_conv_output_shape(
+            inputs_shape, self.filters, self.kernel_size,
+            strides=self.strides, padding=self.padding,
+            data_format="channels_last", dilation_rate=self.dilation_rate)
+        return output, [output, output]
+
+    def get_initial_state(self, batch_size=None):
+        shape = self.compute_output_shape(
+            (batch_size, *self.spatial_dims, self.input_dim))[0]
+        return [ops.zeros(shape, dtype=self.compute_dtype),
+                ops.zeros(shape, dtype=self.compute_dtype)]
+
+    def arg_config(self):
+        config = super().arg_config()
+        del config["units"], config["implementation"]
+        config.update(
+            filters=self.filters, kernel_size=self.kernel_size,
+            strides=self.strides, padding=self.padding,
+            data_format=self.data_format, dilation_rate=self.dilation_rate)
+        return config
+
+    def get_config(self):
+        config = super().get_config()
+        config["rank"] = self.rank
+        return config
+
+
+class FusedConvLSTM(FusedRecurrent):
+    """`keras.layers.ConvLSTM1D/2D/3D` for an array of `num_models` models.
+
+    Layout: sequences `[batch, B, timesteps, *spatial, channels]`; output
+    `[batch, B, (timesteps,) *spatial', filters]`; with `return_state`,
+    followed by the final states `h, c`, `[batch, B, *spatial', filters]`
+    each; initial states likewise. Masks as `FusedRecurrent`.
+    Weights: those of `FusedConvLSTMCell`, `[B, *stock shape]` each, in
+    the stock order `kernel, recurrent_kernel, bias`. Model `b` computes
+    what the stock layer computes with weights `w[b]` on `x[:, b]`; each
+    model's convolutions are chosen for the device as the fused
+    convolutions' are (B convolutions on a CPU, one grouped convolution on
+    a GPU or TPU). Channels last only.
+
+    Args:
+        num_models: the number of models `B` in the array.
+        filters, ..., stateful: the arguments of the stock layer, with its
+            defaults; see `FusedRecurrent` for how initializers,
+            regularizers, constraints and dropout act per model.
+    """
+
+    cell_class = FusedConvLSTMCell
+    cell_name = "conv_lstm_cell"
+    rank = None
+
+    def __init__(self, num_models, filters, kernel_size, strides=1,
+                 padding="valid", data_format=None, dilation_rate=1,
+                 activation="tanh", recurrent_activation="sigmoid",
+                 use_bias=True, kernel_initializer="glorot_uniform",
+                 recurrent_initializer="orthogonal", bias_initializer="zeros",
+                 unit_forget_bias=True, kernel_regularizer=None,
+                 recurrent_regularizer=None, bias_regularizer=None,
+                 activity_regularizer=None, kernel_constraint=None,
+                 recurrent_constraint=None, bias_constraint=None,
+                 dropout=0.0, recurrent_dropout=0.0, seed=None,
+                 return_sequences=False, return_state=False,
+                 go_backwards=False, stateful=False, unroll=False,
+                 **kwargs):
+        super().__init__(
+            num_models,
+            dict(rank=self.rank, filters=filters, kernel_size=kernel_size,
+                 strides=strides, padding=padding, data_format=data_format,
+                 dilation_rate=dilation_rate, activation=activation,
+                 recurrent_activation=recurrent_activation,
+                 use_bias=use_bias, kernel_initializer=kernel_initializer,
+                 recurrent_initializer=recurrent_initializer,
+                 bias_initializer=bias_initializer,
+                 unit_forget_bias=unit_forget_bias,
+                 kernel_regularizer=kernel_regularizer,
+                 recurrent_regularizer=recurrent_regularizer,
+                 bias_regularizer=bias_regularizer,
+                 kernel_constraint=kernel_constraint,
+                 recurrent_constraint=recurrent_constraint,
+                 bias_constraint=bias_constraint, dropout=dropout,
+                 recurrent_dropout=recurrent_dropout, seed=seed),
+            return_sequences=return_sequences, return_state=return_state,
+            go_backwards=go_backwards, stateful=stateful, unroll=unroll,
+            activity_regularizer=activity_regularizer, **kwargs)
+
+    @classmethod
+    def from_stock(cls, layer, num_models):
+        if layer.data_format != "channels_last":
+            raise ValueError(
+                f"hftatf cannot fuse layer '{layer.name}' "
+                f"({type(layer).__name__}) with data_format="
+                f"{layer.data_format!r}: {cls.__name__} supports only "
+                "'channels_last'.")
+        return super().from_stock(layer, num_models)
+
+    state_layout = "[batch, num_models, *spatial, filters]"
+
+    @property
+    def state_ndim(self):
+        return 3 + self.rank
+
+    def compute_output_shape(self, sequences_shape, initial_state_shape=None):
+        shapes = conv_lstm.ConvLSTM.compute_output_shape(
+            self, self._fold_shape(sequences_shape))
+        if self.return_state:
+            return tuple(self._unfold_shape(s) for s in shapes)
+        return self._unfold_shape(shapes)
+
+    filters = _cell_property("filters")
+    kernel_size = _cell_property("kernel_size")
+    strides = _cell_property("strides")
+    padding = _cell_property("padding")
+    data_format = _cell_property("data_format")
+    dilation_rate = _cell_property("dilation_rate")
+    recurrent_activation = _cell_property("recurrent_activation")
+    unit_forget_bias = _cell_property("unit_forget_bias")
+
+
+@hftatf_export
+@registry.register(keras.layers.ConvLSTM1D)
+class FusedConvLSTM1D(FusedConvLSTM):
+    """`keras.layers.ConvLSTM1D` for an array of models (see
+    `FusedConvLSTM`)."""
+
+    rank = 1
+
+
+@hftatf_export
+@registry.register(keras.layers.ConvLSTM2D)
+class FusedConvLSTM2D(FusedConvLSTM):
+    """`keras.layers.ConvLSTM2D` for an array of models (see
+    `FusedConvLSTM`)."""
+
+    rank = 2
+
+
+@hftatf_export
+@registry.register(keras.layers.ConvLSTM3D)
+class FusedConvLSTM3D(FusedConvLSTM):
+    """`keras.layers.ConvLSTM3D` for an array of models (see
+    `FusedConvLSTM`)."""
+
+    rank = 3
 
 
 @registry.register(keras.layers.RNN)

@@ -747,3 +747,130 @@ def test_rnn_of_another_cell_is_refused_naming_it(cell):
     layer = keras.layers.RNN(cell())
     with pytest.raises(ValueError, match="SimpleRNNCell, LSTMCell or GRUCell"):
         registry.fuse_layer(layer, NUM_MODELS)
+
+
+# ConvLSTM1D/2D/3D.
+
+CONV_LSTM_CASES = {
+    "2d_same_sequences": (lambda **kw: keras.layers.ConvLSTM2D(
+        UNITS, 3, padding="same", return_sequences=True, **kw),
+        (STEPS, 5, 5, 2)),
+    "2d_strided_state": (lambda **kw: keras.layers.ConvLSTM2D(
+        UNITS, (2, 3), strides=2, return_state=True, **kw), (3, 6, 7, 2)),
+    "1d_dilated_backwards": (lambda **kw: keras.layers.ConvLSTM1D(
+        2, 2, dilation_rate=2, go_backwards=True, unit_forget_bias=False,
+        activation="relu", **kw), (3, 8, 3)),
+    "3d_same": (lambda **kw: keras.layers.ConvLSTM3D(
+        2, 2, padding="same", use_bias=False, **kw), (2, 3, 3, 3, 1)),
+}
+
+
+def conv_lstm_twins(case, rng, num_models=NUM_MODELS, **kwargs):
+    make, shape = CONV_LSTM_CASES[case]
+    stock = []
+    for _ in range(num_models):
+        layer = make(**kwargs)
+        layer.build((None, *shape))
+        randomize_weights(layer, rng, scale=0.5)
+        stock.append(layer)
+    fused = registry.fuse_layer(stock[0], num_models)
+    fused.build((None, num_models, *shape))
+    fused.set_weights(stacked_weights(stock))
+    return stock, fused, shape
+
+
+@pytest.mark.parametrize("case", sorted(CONV_LSTM_CASES))
+def test_conv_lstm_matches_stock(case):
+    rng = np.random.default_rng(30)
+    stock, fused, shape = conv_lstm_twins(case, rng)
+    assert type(fused).__name__ == "Fused" + type(stock[0]).__name__
+    x = rng.standard_normal((BATCH, NUM_MODELS, *shape)).astype("float32")
+    outputs = compare_layer_with_stock(stock, fused, [x], rng)
+    expected = fused.compute_output_shape((None, NUM_MODELS, *shape))
+    expected = expected if isinstance(expected, tuple) and isinstance(
+        expected[0], tuple) else (expected,)
+    assert [o.shape[1:] for o in outputs] == [e[1:] for e in expected]
+
+
+def test_conv_lstm_mask_and_initial_state_match_stock():
+    rng = np.random.default_rng(31)
+    stock, fused, shape = conv_lstm_twins("2d_same_sequences", rng)
+    x = rng.standard_normal((BATCH, NUM_MODELS, *shape)).astype("float32")
+    states = [rng.standard_normal((BATCH, NUM_MODELS, 5, 5, UNITS)).astype(
+        "float32") for _ in range(2)]
+    compare_layer_with_stock(
+        [CallWith(layer, with_mask=True) for layer in stock],
+        CallWith(fused, with_mask=True), [x, per_model_mask(), *states],
+        rng)
+    with pytest.raises(ValueError, match=r"\*spatial, filters\]"):
+        fused(x, initial_state=[s[:, 0] for s in states])
+
+
+def test_conv_lstm_dropout_per_model_and_in_inference():
+    rng = np.random.default_rng(32)
+    stock, fused, shape = conv_lstm_twins(
+        "2d_same_sequences", rng, dropout=0.3, recurrent_dropout=0.4)
+    x = rng.standard_normal((BATCH, NUM_MODELS, *shape)).astype("float32")
+    compare_layer_with_stock(stock, fused, [x], rng, training=False)
+    # As the stock cell: one mask per gate, drawn per sample and model.
+    assert fused.cell.dropout_mask_count == stock[0].cell.dropout_mask_count
+    same, twin, _ = conv_lstm_twins("2d_same_sequences", rng, num_models=1,
+                                    dropout=0.3, recurrent_dropout=0.4)
+    twin = registry.fuse_layer(same[0], NUM_MODELS)
+    twin.build((None, NUM_MODELS, *shape))
+    twin.set_weights(stacked_weights(same * NUM_MODELS))
+    x = np.repeat(x[:, :1], NUM_MODELS, axis=1)
+    y = np.asarray(twin(x, training=True))
+    assert not np.allclose(y[:, 0], y[:, 1])
+
+
+def next_frame_model():
+    inputs = keras.Input((None, 6, 6, 1))
+    hidden = keras.layers.ConvLSTM2D(
+        4, 3, padding="same", return_sequences=True)(inputs)
+    hidden = keras.layers.BatchNormalization()(hidden)
+    hidden = keras.layers.ConvLSTM2D(
+        4, 1, padding="same", return_sequences=True)(hidden)
+    outputs = keras.layers.Conv3D(1, 3, padding="same",
+                                  activation="sigmoid")(hidden)
+    return keras.Model(inputs, outputs)
+
+
+def test_conv_lstm_model_trains_like_stock_and_round_trips(tmp_path):
+    rng = np.random.default_rng(33)
+    array = hftatf.fuse(next_frame_model(), NUM_MODELS)
+    stock = array.unfuse()
+    x = rng.uniform(0, 1, (8, 3, 6, 6, 1)).astype("float32")
+    y = rng.uniform(0, 1, (8, 3, 6, 6, 1)).astype("float32")
+    rates = [0.1, 0.03]
+    array.compile(hftatf.optimizers.SGD(rates), loss="binary_crossentropy")
+    array.fit(x, y, epochs=2, batch_size=4, shuffle=False, verbose=0)
+    for b, model in enumerate(stock):
+        model.compile(keras.optimizers.SGD(rates[b]),
+                      loss="binary_crossentropy")
+        model.fit(x, y, epochs=2, batch_size=4, shuffle=False, verbose=0)
+        for got, expected in zip(array.unfuse()[b].get_weights(),
+                                 model.get_weights()):
+            assert_close(got, expected, err_msg=f"model {b}")
+    path = tmp_path / "array.keras"
+    array.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0),
+                                  array.predict(x, verbose=0))
+
+
+def test_conv_lstm_from_stock_keeps_the_stock_config():
+    stock = keras.layers.ConvLSTM2D(
+        UNITS, (3, 2), strides=(1, 2), padding="same", dropout=0.1,
+        recurrent_dropout=0.2, go_backwards=True, return_state=True,
+        kernel_regularizer=keras.regularizers.L2(0.01), seed=4,
+        name="stock_conv_lstm")
+    fused = registry.fuse_layer(stock, 3)
+    config = fused.get_config()
+    for key, value in stock.get_config().items():
+        assert config[key] == value, key
+    clone = type(fused).from_config(config)
+    assert clone.get_config() == config
+    with pytest.raises(ValueError, match="channels_last"):
+        registry.fuse_layer(keras.layers.ConvLSTM2D(
+            2, 3, data_format="channels_first"), 2)
