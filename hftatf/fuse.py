@@ -345,7 +345,9 @@ class _Walker:
                    if isinstance(t, keras.KerasTensor)]
         if (tensors and all(self._is_shared(t) for t in tensors)
                 and registry.is_foldable(layer)
-                and not has_random_state(layer)):
+                and not has_random_state(layer)
+                # Each model is penalised on its own (FusedFold).
+                and layer.activity_regularizer is None):
             # Deterministic, per sample, weightless: once for all models.
             if id(layer) not in self._stock_copies:
                 self._stock_copies[id(layer)] = (layer, copy_layer(layer))

@@ -216,3 +216,28 @@ def optimized_transposes(function, *args):
     """How many transposes `optimized_ops` finds."""
     return sum(count for op, count in optimized_ops(function, *args).items()
                if "Transpose" in op)
+
+
+def trains_like_stock(model, x, y, num_models=2):
+    """Asserts that each model of the array of `model` has its stock twin's
+    loss and, after two SGD steps, its weights."""
+    import keras
+
+    import hftatf
+
+    array = hftatf.fuse(model, num_models)
+    stock = array.unfuse()
+    array.compile(hftatf.optimizers.SGD(0.1), loss="mse")
+    logs = array.evaluate(x, y, batch_size=len(x), verbose=0,
+                          return_dict=True)
+    array.fit(x, y, batch_size=len(x) // 2, epochs=1, shuffle=False,
+              verbose=0)
+    for b, twin in enumerate(stock):
+        twin.compile(keras.optimizers.SGD(0.1), loss="mse")
+        expected = twin.evaluate(x, y, batch_size=len(x), verbose=0)
+        assert_close(logs[f"loss_{b}"], expected, err_msg=f"model {b}")
+        twin.fit(x, y, batch_size=len(x) // 2, epochs=1, shuffle=False,
+                 verbose=0)
+        for got, want in zip(array.unfuse()[b].get_weights(),
+                             twin.get_weights()):
+            assert_close(got, want, err_msg=f"model {b}")

@@ -39,6 +39,26 @@ def model_initializers(initializer, num_models):
     ]
 
 
+def keep_stock_initializers(fused, layer):
+    """Gives the `fused` form built from the stock `layer`'s config the
+    stock layer's initializer objects (its cell's too), and returns it.
+
+    Keras serializes some initializers without their arguments
+    (`Identity`'s `gain`), so a layer rebuilt from a config could draw
+    other initial values than its stock twin."""
+    pairs = [(layer, fused),
+             (getattr(layer, "cell", None), getattr(fused, "cell", None))]
+    for source, target in pairs:
+        if source is None or target is None:
+            continue
+        for name, value in vars(source).items():
+            if (isinstance(value, keras.initializers.Initializer)
+                    and isinstance(vars(target).get(name),
+                                   keras.initializers.Initializer)):
+                setattr(target, name, value)
+    return fused
+
+
 class StackedInitializer:
     """Initializes a `[B, *shape]` weight slice by slice.
 
@@ -414,7 +434,47 @@ def as_one_sample(values, like):
     return ops.broadcast_to(values, ops.shape(like)[1:])
 
 
-class FusedLayer(keras.layers.Layer):
+class ModelActivityRegularization:
+    """Mixin of fused layers: the stock layer's activity regularizer,
+    applied to each model's slice of every output.
+
+    Keras applies a layer's `activity_regularizer` to its whole output and
+    divides by the batch size: on a fused output that would be one loss
+    for all models, shared out evenly. Here model `b`'s output slice is
+    penalised on its own and divided by the batch size, as its stock twin
+    does, and the layer adds a `[B]` loss (entry `b` model `b`'s). The
+    class sets `model_activity_regularizer` (never the stock
+    `activity_regularizer`), `num_models` and `model_axis`.
+    """
+
+    model_activity_regularizer = None
+
+    def with_activity_config(self, config):
+        """`config` with the activity regularizer, where there is one."""
+        if self.model_activity_regularizer is not None:
+            config["activity_regularizer"] = keras.regularizers.serialize(
+                self.model_activity_regularizer)
+        return config
+
+    def __call__(self, *args, **kwargs):
+        outputs = super().__call__(*args, **kwargs)
+        if self.model_activity_regularizer is not None:
+            for output in keras.tree.flatten(outputs):
+                if ops.is_tensor(output):
+                    self.add_loss(self._activity_loss(output))
+        return outputs
+
+    def _activity_loss(self, output):
+        regularizer = self.model_activity_regularizer
+        losses = ops.stack([
+            regularizer(ops.take(output, b, axis=self.model_axis))
+            for b in range(self.num_models)])
+        batch_size = ops.cast(ops.shape(output)[1 - self.model_axis],
+                              losses.dtype)
+        return ops.divide_no_nan(losses, batch_size)
+
+
+class FusedLayer(ModelActivityRegularization, keras.layers.Layer):
     """Base class of fused layers that hold weights.
 
     Subclasses take `num_models` plus exactly the arguments of their stock
@@ -480,8 +540,9 @@ class FusedLayer(keras.layers.Layer):
         """Builds the fused form of the stock `layer` (weights not copied);
         `kwargs` are arguments of the fused form only (`shared_input`)."""
         try:
-            return cls.from_config(
-                {**layer.get_config(), "num_models": num_models, **kwargs})
+            return keep_stock_initializers(cls.from_config(
+                {**layer.get_config(), "num_models": num_models, **kwargs}),
+                layer)
         except TypeError as error:
             # Keras's `from_config` wraps the fused form's refusal of a
             # stock argument (a ValueError naming it) in a TypeError that
@@ -549,22 +610,6 @@ class FusedLayer(keras.layers.Layer):
             stacked[index] = value
             variable.assign(stacked)
 
-    def __call__(self, *args, **kwargs):
-        outputs = super().__call__(*args, **kwargs)
-        if self.model_activity_regularizer is not None:
-            for output in keras.tree.flatten(outputs):
-                if ops.is_tensor(output):
-                    self.add_loss(self._activity_loss(output))
-        return outputs
-
-    def _activity_loss(self, output):
-        regularizer = self.model_activity_regularizer
-        losses = ops.stack([
-            regularizer(ops.take(output, b, axis=self.model_axis))
-            for b in range(self.num_models)])
-        batch_size = ops.cast(ops.shape(output)[1 - self.model_axis],
-                              losses.dtype)
-        return ops.divide_no_nan(losses, batch_size)
 
     def get_config(self):
         config = super().get_config()

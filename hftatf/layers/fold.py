@@ -22,6 +22,7 @@ from keras.src.random.seed_generator import draw_seed
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.base import (
+    ModelActivityRegularization,
     model_pieces,
     rearranged,
     repeat_for_models,
@@ -201,9 +202,17 @@ def _is_tensor(x):
 def copy_layer(layer):
     """A fresh copy of a stock weightless layer (its own random state). A
     `Lambda` is stateless and its function may not survive a config round
-    trip (Python lambdas need unsafe deserialization): it is shared."""
+    trip (Python lambdas need unsafe deserialization): it is shared, or,
+    with an activity regularizer (which its fused form takes over),
+    rebuilt from its function."""
     if isinstance(layer, keras.layers.Lambda):
-        return layer
+        if layer.activity_regularizer is None:
+            return layer
+        return keras.layers.Lambda(
+            layer.function, output_shape=layer._output_shape,
+            mask=layer.mask, arguments=layer.arguments, name=layer.name,
+            dtype=layer.dtype_policy,
+            activity_regularizer=layer.activity_regularizer)
     return type(layer).from_config(layer.get_config())
 
 
@@ -216,7 +225,7 @@ def has_random_state(layer):
 
 @hftatf_export
 @registry.register(*PER_SAMPLE_LAYERS, *UNSEEDED_RANDOM_LAYERS)
-class FusedFold(keras.layers.Wrapper):
+class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
     """Applies a stock per-sample layer without weights to every model.
 
     Layout: each input `[batch, B, ...]` (the stock layer's input with a
@@ -228,21 +237,38 @@ class FusedFold(keras.layers.Wrapper):
     models second and moves its mask: each model draws the same mask in
     either layout.
 
+    The stock layer's activity regularizer penalises each model's output
+    slice, as in its stock twin (`ModelActivityRegularization`); the
+    wrapper takes it over from the layer.
+
     Args:
         layer: the stock Keras layer. It must have no weights and must treat
             every sample independently.
         num_models: the number of models `B` in the array.
         models_first: whether inputs, outputs and masks have the models
             first, `[B, batch, ...]`, instead of `[batch, B, ...]`.
+        activity_regularizer: the regularizer of each model's output;
+            defaults to the stock layer's.
     """
 
     prefers_models_first = False
 
-    def __init__(self, layer, num_models, models_first=False, **kwargs):
+    def __init__(self, layer, num_models, models_first=False,
+                 activity_regularizer=None, **kwargs):
+        stock_regularizer = getattr(layer, "activity_regularizer", None)
+        if stock_regularizer is not None:
+            # Applied to the folded output it would be one loss for all.
+            layer.activity_regularizer = None
         super().__init__(layer, **kwargs)
         self.num_models = check_num_models(num_models)
         self.models_first = bool(models_first)
         self.supports_masking = getattr(layer, "supports_masking", False)
+        self.model_activity_regularizer = (
+            keras.regularizers.get(activity_regularizer) or stock_regularizer)
+
+    @property
+    def model_axis(self):
+        return model_axis_of(self.models_first)
 
     @classmethod
     def from_stock(cls, layer, num_models, models_first=False):
@@ -362,7 +388,7 @@ class FusedFold(keras.layers.Wrapper):
         config["num_models"] = self.num_models
         if self.models_first:
             config["models_first"] = True
-        return config
+        return self.with_activity_config(config)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

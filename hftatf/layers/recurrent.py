@@ -29,7 +29,7 @@ from keras.src.utils.argument_validation import (
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer
+from hftatf.layers.base import FusedLayer, keep_stock_initializers
 from hftatf.layers.convolutional import channels_last, per_model_conv
 from hftatf.layers.fold import fold_model_axis, unfold_model_axis
 from hftatf.validation import check_model_axis
@@ -520,7 +520,7 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
         implementation = getattr(layer.cell, "implementation", None)
         if implementation is not None:
             config["implementation"] = implementation
-        return cls.from_config(config)
+        return keep_stock_initializers(cls.from_config(config), layer)
 
     def _fold_shape(self, shape):
         batch = None if shape[0] is None else shape[0] * self.num_models

@@ -13,7 +13,7 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import StackedInitializer
+from hftatf.layers.base import ModelActivityRegularization, StackedInitializer
 from hftatf.layers.recurrent import FusedRecurrent
 from hftatf.validation import check_model_axis, check_num_models
 
@@ -32,7 +32,8 @@ def _check_inner(wrapper, role, layer, num_models):
 
 @hftatf_export
 @registry.register(keras.layers.TimeDistributed)
-class FusedTimeDistributed(keras.layers.Wrapper):
+class FusedTimeDistributed(ModelActivityRegularization,
+                           keras.layers.Wrapper):
     """`keras.layers.TimeDistributed` for an array of `num_models` models.
 
     Layout:
@@ -53,17 +54,23 @@ class FusedTimeDistributed(keras.layers.Wrapper):
         num_models: the number of models `B` in the array.
     """
 
-    def __init__(self, layer, num_models, **kwargs):
+    model_axis = 1
+
+    def __init__(self, layer, num_models, activity_regularizer=None,
+                 **kwargs):
         super().__init__(layer, **kwargs)
         self.num_models = check_num_models(num_models)
         _check_inner("FusedTimeDistributed", "layer", layer, self.num_models)
         self.supports_masking = True
+        self.model_activity_regularizer = keras.regularizers.get(
+            activity_regularizer)
 
     @classmethod
     def from_stock(cls, layer, num_models):
         """Fuses a stock `TimeDistributed`, its inner layer by the registry
         (weights not copied)."""
         return cls(registry.fuse_layer(layer.layer, num_models), num_models,
+                   activity_regularizer=layer.activity_regularizer,
                    name=layer.name, dtype=layer.dtype_policy,
                    trainable=layer.trainable)
 
@@ -128,12 +135,13 @@ class FusedTimeDistributed(keras.layers.Wrapper):
     def get_config(self):
         config = super().get_config()
         config["num_models"] = self.num_models
-        return config
+        return self.with_activity_config(config)
 
 
 @hftatf_export
 @registry.register(keras.layers.Bidirectional)
-class FusedBidirectional(keras.layers.Bidirectional):
+class FusedBidirectional(ModelActivityRegularization,
+                         keras.layers.Bidirectional):
     """`keras.layers.Bidirectional` for an array of `num_models` models.
 
     Layout:
@@ -160,8 +168,10 @@ class FusedBidirectional(keras.layers.Bidirectional):
             `backward_layer` must be a fused recurrent layer too.
     """
 
+    model_axis = 1
+
     def __init__(self, layer, num_models, merge_mode="concat", weights=None,
-                 backward_layer=None, **kwargs):
+                 backward_layer=None, activity_regularizer=None, **kwargs):
         num_models = check_num_models(num_models)
         for role, rnn in (("layer", layer), ("backward_layer",
                                              backward_layer)):
@@ -178,6 +188,8 @@ class FusedBidirectional(keras.layers.Bidirectional):
         super().__init__(layer, merge_mode=merge_mode, weights=weights,
                          backward_layer=backward_layer, **kwargs)
         self.num_models = num_models
+        self.model_activity_regularizer = keras.regularizers.get(
+            activity_regularizer)
 
     @classmethod
     def from_stock(cls, layer, num_models):
@@ -188,6 +200,7 @@ class FusedBidirectional(keras.layers.Bidirectional):
             merge_mode=layer.merge_mode,
             backward_layer=registry.fuse_layer(layer.backward_layer,
                                                num_models),
+            activity_regularizer=layer.activity_regularizer,
             name=layer.name, dtype=layer.dtype_policy,
             trainable=layer.trainable)
 
@@ -235,12 +248,13 @@ class FusedBidirectional(keras.layers.Bidirectional):
     def get_config(self):
         config = super().get_config()
         config["num_models"] = self.num_models
-        return config
+        return self.with_activity_config(config)
 
 
 @hftatf_export
 @registry.register(keras.layers.SpectralNormalization)
-class FusedSpectralNormalization(keras.layers.Wrapper):
+class FusedSpectralNormalization(ModelActivityRegularization,
+                                 keras.layers.Wrapper):
     """`keras.layers.SpectralNormalization` for an array of `num_models`
     models.
 
@@ -271,9 +285,12 @@ class FusedSpectralNormalization(keras.layers.Wrapper):
     # for frozen models and does not split its step into passes.
     assigns_weights_in_training = True
 
-    def __init__(self, layer, num_models, power_iterations=1, **kwargs):
+    def __init__(self, layer, num_models, power_iterations=1,
+                 activity_regularizer=None, **kwargs):
         super().__init__(layer, **kwargs)
         self.num_models = check_num_models(num_models)
+        self.model_activity_regularizer = keras.regularizers.get(
+            activity_regularizer)
         _check_inner("FusedSpectralNormalization", "layer", layer,
                      self.num_models)
         if power_iterations <= 0:
@@ -289,8 +306,13 @@ class FusedSpectralNormalization(keras.layers.Wrapper):
         `models_first`) go to the inner layer."""
         return cls(registry.fuse_layer(layer.layer, num_models, **kwargs),
                    num_models, power_iterations=layer.power_iterations,
+                   activity_regularizer=layer.activity_regularizer,
                    name=layer.name, dtype=layer.dtype_policy,
                    trainable=layer.trainable)
+
+    @property
+    def model_axis(self):
+        return getattr(self.layer, "model_axis", 1)
 
     @classmethod
     def takes_models_first(cls, layer):
@@ -374,4 +396,4 @@ class FusedSpectralNormalization(keras.layers.Wrapper):
         config = super().get_config()
         config["power_iterations"] = self.power_iterations
         config["num_models"] = self.num_models
-        return config
+        return self.with_activity_config(config)

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 from keras.src.applications.convnext import StochasticDepth
 from keras.src.applications.inception_resnet_v2 import CustomScaleLayer
-from testing import assert_close
+from testing import assert_close, trains_like_stock
 
 import hftatf
 from hftatf.layers import (
@@ -964,3 +964,47 @@ def test_per_batch_layers_train_in_a_fused_model_and_unfuse():
         assert [type(layer) for layer in stock.layers] == [
             type(layer) for layer in model.layers]
         assert_close(y[:, b], stock.predict(x, verbose=0))
+
+
+# -- Activity regularizers of weightless layers -------------------------------
+
+
+@pytest.mark.parametrize("factory", [
+    pytest.param(lambda: keras.layers.Activation(
+        "tanh", activity_regularizer=keras.regularizers.L2(0.5)),
+        id="Activation"),
+    pytest.param(lambda: keras.layers.Dropout(
+        0.0, activity_regularizer=keras.regularizers.L1(0.3)), id="Dropout"),
+    pytest.param(lambda: keras.layers.Lambda(
+        lambda t: t * 2.0, activity_regularizer=keras.regularizers.L2(0.2)),
+        id="Lambda"),
+])
+@pytest.mark.parametrize("on_input", [False, True],
+                         ids=["per_model", "shared_input"])
+def test_activity_regularizer_of_a_weightless_layer_is_per_model(
+        factory, on_input):
+    rng = np.random.default_rng(17)
+    inputs = keras.Input((4,))
+    layer = factory()
+    if on_input:
+        # On the shared input the layer runs per model, each penalised.
+        hidden = keras.layers.Dense(3)(layer(inputs))
+    else:
+        hidden = layer(keras.layers.Dense(3)(inputs))
+    outputs = keras.layers.Dense(1)(hidden)
+    x = rng.standard_normal((8, 4)).astype("float32")
+    y = rng.standard_normal((8, 1)).astype("float32")
+    trains_like_stock(keras.Model(inputs, outputs), x, y)
+    # The user's stock layer keeps its regularizer.
+    assert layer.activity_regularizer is not None
+
+
+def test_activity_regularizer_of_a_per_batch_layer_is_per_model():
+    rng = np.random.default_rng(18)
+    inputs = keras.Input((4, 4, 3))
+    hidden = keras.layers.Equalization(
+        activity_regularizer=keras.regularizers.L2(1e-4))(inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.Flatten()(hidden))
+    x = rng.uniform(0, 255, (8, 4, 4, 3)).astype("float32")
+    y = rng.standard_normal((8, 1)).astype("float32")
+    trains_like_stock(keras.Model(inputs, outputs), x, y)

@@ -176,3 +176,25 @@ def test_register_a_user_class(monkeypatch):
     x = np.random.default_rng(1).standard_normal((3, 2, 4)).astype("float32")
     assert_close(fused(x), np.stack([layer(x[:, b]) for b in range(2)],
                                     axis=1))
+
+
+@pytest.mark.parametrize("factory, shape, index", [
+    (lambda: keras.layers.Dense(
+        6, kernel_initializer=keras.initializers.Identity(2.0)), (None, 4),
+     0),
+    (lambda: keras.layers.SimpleRNN(
+        4, recurrent_initializer=keras.initializers.Identity(0.5)),
+     (None, 3, 2), 1),
+])
+def test_fused_layers_initialize_like_stock_where_configs_lose_arguments(
+        factory, shape, index):
+    # Keras serializes Identity without its gain: a fused layer built from
+    # the stock config alone would start at gain 1.
+    stock = factory()
+    stock.build(shape)
+    fused = registry.fuse_layer(stock, 2)
+    fused.build((shape[0], 2, *shape[1:]))
+    expected = stock.get_weights()[index]
+    for b in range(2):
+        np.testing.assert_array_equal(fused.get_weights()[index][b],
+                                      expected)

@@ -11,6 +11,7 @@ from testing import (
     compare_layer_with_stock,
     randomize_weights,
     stacked_weights,
+    trains_like_stock,
 )
 
 import hftatf
@@ -500,3 +501,32 @@ def test_spectral_normalization_config_round_trip(tmp_path):
                                    power_iterations=0)
     with pytest.raises(ValueError, match="num_models=3"):
         FusedSpectralNormalization(FusedDense(3, UNITS), 2)
+
+
+# The wrappers' own activity regularizers.
+
+
+@pytest.mark.parametrize("wrap", [
+    pytest.param(lambda reg: keras.layers.TimeDistributed(
+        keras.layers.Dense(2), activity_regularizer=reg),
+        id="TimeDistributed"),
+    pytest.param(lambda reg: keras.layers.Bidirectional(
+        keras.layers.GRU(2, return_sequences=True),
+        activity_regularizer=reg), id="Bidirectional"),
+    pytest.param(lambda reg: keras.layers.SpectralNormalization(
+        keras.layers.Dense(2), activity_regularizer=reg),
+        id="SpectralNormalization"),
+])
+def test_wrapper_activity_regularizer_is_per_model(wrap):
+    rng = np.random.default_rng(25)
+    inputs = keras.Input((STEPS, FEATURES))
+    hidden = wrap(keras.regularizers.L2(0.3))(inputs)
+    outputs = keras.layers.Dense(1)(keras.layers.Flatten()(hidden))
+    x = rng.standard_normal((8, STEPS, FEATURES)).astype("float32")
+    y = rng.standard_normal((8, 1)).astype("float32")
+    trains_like_stock(keras.Model(inputs, outputs), x, y)
+    fused = registry.fuse_layer(wrap(keras.regularizers.L1(0.1)), 2)
+    clone = type(fused).from_config(fused.get_config())
+    assert keras.regularizers.serialize(
+        clone.model_activity_regularizer) == keras.regularizers.serialize(
+            keras.regularizers.L1(0.1))
