@@ -96,6 +96,21 @@ class ModelStatus(keras.metrics.Metric):
         return {**super().get_config(), "num_models": self.num_models}
 
 
+class _StoreWithout:
+    """A variable store seen without the given keys (those an override of
+    `load_own_variables` reads itself)."""
+
+    def __init__(self, store, keys):
+        self._store = store
+        self._keys = set(keys)
+
+    def keys(self):
+        return [key for key in self._store.keys() if key not in self._keys]
+
+    def __getitem__(self, key):
+        return self._store[key]
+
+
 class _DivergenceReport(keras.callbacks.Callback):
     """Logs each model of the array that diverged, once."""
 
@@ -378,6 +393,28 @@ class FusedModel(keras.Model):
         self._pass_models = passes.PassModels()
         self._status = ModelStatus(self.num_models)
         self._reported_divergence = set()
+
+    # -- saving -------------------------------------------------------------
+
+    def _status_variables(self):
+        """`(key, variable)` for each variable of which models still train:
+        saved with the array's own variables (Keras saves no metric's)."""
+        return [(f"model_status_{variable.name}", variable)
+                for variable in self._status.variables]
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        for key, variable in self._status_variables():
+            store[key] = variable
+
+    def load_own_variables(self, store):
+        status = dict(self._status_variables())
+        keys = list(store.keys())
+        super().load_own_variables(_StoreWithout(store, status))
+        # A file written before the status was saved leaves it as it is.
+        for key, variable in status.items():
+            if key in keys:
+                variable.assign(store[key])
 
     @property
     def shared_inputs(self):

@@ -165,6 +165,32 @@ def test_select_keeps_frozen_and_diverged_status():
     assert list(kept.active_models) == [False, False]
 
 
+@pytest.mark.parametrize("how", ["keras_file", "weights_file"])
+def test_frozen_and_diverged_status_is_saved_and_loaded(tmp_path, how):
+    array = array_with(hftatf.optimizers.SGD([1e30, 0.02, 0.03]))
+    fit(array, epochs=1)
+    array.freeze_models([1])
+    steps = keras.ops.convert_to_numpy(array._status.diverged_at)
+    if how == "keras_file":
+        array.save(tmp_path / "array.keras")
+        loaded = keras.models.load_model(tmp_path / "array.keras")
+    else:
+        array.save_weights(tmp_path / "array.weights.h5")
+        loaded = array_with(hftatf.optimizers.SGD([1e30, 0.02, 0.03]))
+        loaded.load_weights(tmp_path / "array.weights.h5")
+    assert list(loaded.diverged_models) == [True, False, False]
+    assert list(loaded.active_models) == [False, False, True]
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(loaded._status.diverged_at), steps)
+    # The frozen models stay as they were when training goes on.
+    before = [loaded.get_model_weights(b) for b in range(B)]
+    fit(loaded, epochs=1)
+    for b in range(B):
+        same = all(np.array_equal(w, v) for w, v in zip(
+            loaded.get_model_weights(b), before[b]))
+        assert same == (b < 2), b
+
+
 def test_select_of_an_uncompiled_array_and_bad_indices():
     array = hftatf.fuse(regressor(), B)
     kept = array.select([1])
