@@ -19,6 +19,7 @@ from keras.src.losses.loss import (
 )
 from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
 from keras.src.trainers.trainer import model_supports_jit
+from keras.src.utils import tracking
 
 from hftatf import optimizers as fused_optimizers
 from hftatf import passes, seeds
@@ -440,9 +441,20 @@ class FusedModel(keras.Model):
 
     def call(self, inputs, training=None, mask=None):
         for tensor, reference, shared in zip(
-                keras.tree.flatten(inputs), self.inputs, self._shared_inputs):
+                self._flat_inputs(inputs), self.inputs, self._shared_inputs):
             self._check_input(tensor, reference, shared)
         return super().call(inputs, training=training, mask=mask)
+
+    def _flat_inputs(self, inputs):
+        """The input tensors in the order of `self.inputs`: a dict given
+        to a model of listed inputs is matched by input names, as Keras
+        matches it."""
+        if isinstance(inputs, dict) and not isinstance(
+                self._inputs_struct, dict):
+            names = [tensor.name for tensor in self.inputs]
+            if set(names) <= set(inputs):
+                return [inputs[name] for name in names]
+        return keras.tree.flatten(inputs)
 
     def _check_input(self, tensor, reference, shared):
         shape, expected = tuple(tensor.shape), tuple(reference.shape)
@@ -471,6 +483,9 @@ class FusedModel(keras.Model):
 
     # -- compiling ----------------------------------------------------------
 
+    # As Keras's own `compile`: the trackers it makes replace the previous
+    # compile's, instead of joining them in the tracked `_metrics`.
+    @tracking.no_automatic_dependency_tracking
     def compile(self, optimizer="rmsprop", loss=None, loss_weights=None,
                 metrics=None, weighted_metrics=None, run_eagerly=False,
                 steps_per_execution=1, jit_compile="auto",
@@ -1190,6 +1205,26 @@ class FusedModel(keras.Model):
     def fit(self, *args, class_weight=None, **kwargs):
         """As `keras.Model.fit`. `class_weight` weighs each model's samples
         by the class of that model's own label (shared or per model)."""
+        self._use_class_weight(class_weight)
+        callbacks = kwargs.pop("callbacks", None)
+        _check_callbacks(callbacks)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.append(_DivergenceReport())
+        else:
+            callbacks = [*(callbacks or []), _DivergenceReport()]
+        return super().fit(*args, callbacks=callbacks, **kwargs)
+
+    def train_on_batch(self, x, y=None, sample_weight=None,
+                       class_weight=None, return_dict=False):
+        """As `keras.Model.train_on_batch`, with `class_weight` as in
+        `fit` (read from each model's own labels)."""
+        self._use_class_weight(class_weight)
+        return super().train_on_batch(x, y, sample_weight=sample_weight,
+                                      return_dict=return_dict)
+
+    def _use_class_weight(self, class_weight):
+        """Makes the training step weigh samples by `class_weight` (None
+        for none), retracing it where that changes."""
         table = None
         if class_weight is not None:
             if not isinstance(class_weight, dict) or not all(
@@ -1205,13 +1240,6 @@ class FusedModel(keras.Model):
             # The weights are constants of the traced step: trace anew.
             self._class_weight = table
             self.train_function = None
-        callbacks = kwargs.pop("callbacks", None)
-        _check_callbacks(callbacks)
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.append(_DivergenceReport())
-        else:
-            callbacks = [*(callbacks or []), _DivergenceReport()]
-        return super().fit(*args, callbacks=callbacks, **kwargs)
 
     def test_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -1274,9 +1302,11 @@ class FusedModel(keras.Model):
         healthy = ops.cast(self._status.diverged <= 0, "float32")
         count = ops.sum(healthy)
         for name, values in per_model.items():
+            # A metric may give a vector per model (F1Score per class).
             stacked = ops.cast(ops.stack(values), "float32")
+            kept = ops.reshape(healthy, (-1, *[1] * (len(stacked.shape) - 1)))
             logs[name] = ops.where(count > 0, ops.sum(ops.where(
-                healthy > 0, stacked, 0.0)) / ops.maximum(count, 1.0),
+                kept > 0, stacked, 0.0), axis=0) / ops.maximum(count, 1.0),
                 float("nan"))
             for index, value in enumerate(values):
                 logs[f"{name}_{index}"] = value

@@ -287,6 +287,71 @@ def test_stock_callbacks_read_scalar_logs():
     assert len(history.history["val_accuracy_0"]) == 2
 
 
+def test_a_second_compile_replaces_the_first_ones_logs():
+    x, y = data(n=16)
+    array = sgd_classifier_array()
+    array.fit(x, y, epochs=1, verbose=0)
+    array.compile(hftatf.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    one_hot = np.eye(3, dtype="float32")[y]
+    stop = keras.callbacks.EarlyStopping(monitor="loss", patience=5)
+    history = array.fit(x, one_hot, epochs=2, verbose=0, callbacks=[stop])
+    assert set(history.history) == {"loss", "mae"} | {
+        f"{name}_{b}" for name in ("loss", "mae") for b in range(B)}
+    assert np.ndim(history.history["loss"][0]) == 0
+    assert_close(history.history["loss"][-1], np.mean(
+        [history.history[f"loss_{b}"][-1] for b in range(B)]))
+
+
+def test_vector_metrics_are_logged_per_model_and_averaged():
+    x, y = data(n=16)
+    array = hftatf.fuse(mlp(), B)
+    array.compile(hftatf.optimizers.SGD(0.1),
+                  loss="categorical_crossentropy",
+                  metrics=[keras.metrics.F1Score()])
+    one_hot = np.eye(3, dtype="float32")[y]
+    logs = array.evaluate(x, one_hot, verbose=0, return_dict=True)
+    for b, model in enumerate(stock_copies(array)):
+        model.compile(loss="categorical_crossentropy",
+                      metrics=[keras.metrics.F1Score()])
+        expected = model.evaluate(x, one_hot, verbose=0, return_dict=True)
+        assert_close(logs[f"f1_score_{b}"], expected["f1_score"])
+    assert_close(logs["f1_score"], np.mean(
+        [logs[f"f1_score_{b}"] for b in range(B)], axis=0))
+    array.fit(x, one_hot, epochs=1, verbose=0)
+
+
+def test_train_on_batch_takes_class_weight_as_fit_does():
+    x, y = data(n=16)
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+    array = sgd_classifier_array()
+    stock = stock_copies(array)
+    for weights in (class_weight, None):
+        array.train_on_batch(x, y, class_weight=weights)
+        for b, model in enumerate(stock):
+            if not model.compiled:
+                model.compile(keras.optimizers.SGD(0.1),
+                              loss="sparse_categorical_crossentropy")
+            model.train_on_batch(x, y, class_weight=weights)
+            for got, expected in zip(array.get_model_weights(b),
+                                     model.get_weights()):
+                assert_close(got, expected, err_msg=f"model {b}")
+
+
+def test_listed_inputs_take_a_dict_keyed_by_input_names():
+    ids = keras.Input((4,), dtype="int32", name="ids")
+    features = keras.Input((3,), name="features")
+    hidden = keras.layers.Concatenate()([features, keras.layers.Flatten()(
+        keras.layers.Embedding(10, 2)(ids))])
+    model = keras.Model([ids, features], keras.layers.Dense(2)(hidden))
+    array = hftatf.fuse(model, B)
+    rng = np.random.default_rng(3)
+    inputs = [rng.integers(0, 10, (8, 4)).astype("int32"),
+              rng.standard_normal((8, 3)).astype("float32")]
+    np.testing.assert_array_equal(
+        array.predict({"features": inputs[1], "ids": inputs[0]}, verbose=0),
+        array.predict(inputs, verbose=0))
+
+
 def test_inputs_with_wrong_model_axis_are_refused():
     array = hftatf.fuse(mlp(), B, shared_inputs=False)
     with pytest.raises(ValueError, match=r"num_models=4"):
