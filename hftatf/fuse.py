@@ -72,6 +72,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
     if layout not in LAYOUTS:
         raise ValueError(
             f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}.")
+    requested = layout
     if layout == "auto":
         # One model's activations are laid out alike either way.
         layout = ("batch_first" if num_models == 1 or runs_on_accelerator()
@@ -93,7 +94,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
     new_inputs = [walker.input_like(x, shared)
                   for x, shared in zip(inputs, shared_inputs)]
     outputs = walker.run(model, new_inputs)
-    return model_class(
+    array = model_class(
         keras.tree.pack_sequence_as(structure, new_inputs),
         outputs,
         num_models=num_models,
@@ -101,6 +102,10 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         source=keras.saving.serialize_keras_object(model),
         name=name or f"fused_{model.name}",
     )
+    # Saved with the array's config, so that a reloaded (or selected)
+    # array is laid out as asked; "auto" decides again where it loads.
+    array._layout = requested
+    return array
 
 
 # What a Model subclass may override that an array built from the model's
@@ -555,6 +560,10 @@ def _architecture(model):
     positions[model.name] = "<model>"
 
     def normalize(value):
+        if isinstance(value, dict) and str(
+                value.get("class_name", "")).endswith("DTypePolicy"):
+            # A dtype policy's `name` is the policy itself.
+            return value
         if isinstance(value, dict):
             return {k: normalize(v) for k, v in value.items()
                     if k not in _IGNORED_KEYS and not k.endswith(
@@ -620,8 +629,16 @@ def _first_difference(reference, other):
 
 def _config_difference(ours, theirs, path=""):
     if isinstance(ours, dict) and isinstance(theirs, dict):
-        for key in sorted(set(ours) | set(theirs)):
+        for key in sorted(set(ours) | set(theirs), key=str):
             if ours.get(key) != theirs.get(key):
                 return _config_difference(ours.get(key), theirs.get(key),
                                           f"{path}.{key}" if path else key)
+    if (isinstance(ours, list) and isinstance(theirs, list)
+            and len(ours) == len(theirs)
+            and any(isinstance(v, dict) for v in ours)):
+        # A nested model's layers: the first that differs.
+        for index, (mine, other) in enumerate(zip(ours, theirs)):
+            if mine != other:
+                return _config_difference(mine, other,
+                                          f"{path or 'config'}[{index}]")
     return f"{path or 'config'} is {theirs!r} instead of {ours!r}"

@@ -394,6 +394,8 @@ class FusedModel(keras.Model):
         self._pass_models = passes.PassModels()
         self._status = ModelStatus(self.num_models)
         self._reported_divergence = set()
+        # The `layout` given to `hftatf.fuse`.
+        self._layout = "auto"
 
     # -- saving -------------------------------------------------------------
 
@@ -1205,6 +1207,10 @@ class FusedModel(keras.Model):
     def fit(self, *args, class_weight=None, **kwargs):
         """As `keras.Model.fit`. `class_weight` weighs each model's samples
         by the class of that model's own label (shared or per model)."""
+        if class_weight is not None and kwargs.get("sample_weight") is not None:
+            raise ValueError(
+                "`class_weight` and `sample_weight` cannot both be given, as "
+                "in Keras: fold the class weights into the sample weights.")
         self._use_class_weight(class_weight)
         callbacks = kwargs.pop("callbacks", None)
         _check_callbacks(callbacks)
@@ -1313,6 +1319,22 @@ class FusedModel(keras.Model):
         for metric in self._user_metrics():
             logs[metric.name] = metric.result()
         return logs
+
+    def _flatten_metrics_in_order(self, logs):
+        """`logs` as the list `evaluate` and `*_on_batch` return without
+        `return_dict`: Keras's order (each name once, though every model
+        has its own copy of each compiled metric), then the per-model
+        entries, sorted."""
+        names = []
+        for metric in self.metrics:
+            for name in ([m.name for m in metric.metrics]
+                         if isinstance(metric, CompileMetrics)
+                         else [metric.name]):
+                if name not in names:
+                    names.append(name)
+        results = [logs[name] for name in names if name in logs]
+        results += [logs[key] for key in sorted(logs) if key not in names]
+        return results[0] if len(results) == 1 else results
 
     def _user_metrics(self):
         """Metrics attached to the array by its user (Keras tracks the
@@ -1469,6 +1491,8 @@ class FusedModel(keras.Model):
                       "source": self.source_config}
         config.update(num_models=self.num_models,
                       shared_inputs=list(self._shared_inputs))
+        if self._source_json is not None and self._layout != "auto":
+            config["layout"] = self._layout
         return config
 
     @classmethod
@@ -1477,13 +1501,15 @@ class FusedModel(keras.Model):
         num_models = config.pop("num_models")
         shared_inputs = config.pop("shared_inputs", True)
         source = config.pop("source", None)
+        layout = config.pop("layout", "auto")
         if source is not None:
             from hftatf.fuse import fuse
 
             stock = keras.saving.deserialize_keras_object(
                 source, custom_objects=custom_objects)
             array = fuse(stock, num_models, shared_inputs=shared_inputs,
-                         name=config.get("name"), model_class=cls)
+                         name=config.get("name"), model_class=cls,
+                         layout=layout)
             array.trainable = config.get("trainable", True)
             return array
         graph = keras.Model.from_config(config, custom_objects=custom_objects)

@@ -277,6 +277,32 @@ def test_fuse_models_refuses_other_architectures():
         hftatf.fuse_models([])
 
 
+def test_fuse_models_refuses_other_dtype_policies():
+    def model(dtype):
+        inputs = keras.Input((5,))
+        hidden = keras.layers.Dense(4, activation="relu")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(2, dtype=dtype)(hidden))
+
+    for dtype in ("mixed_float16", "float64"):
+        with pytest.raises(ValueError,
+                           match=f"dtype.*'{dtype}' instead of 'float32'"):
+            hftatf.fuse_models([model("float32"), model(dtype)])
+
+
+def test_fuse_models_names_the_difference_inside_a_nested_model():
+    def model(activation):
+        block = keras.Sequential([keras.layers.Dense(4, activation=activation),
+                                  keras.layers.Dense(3)])
+        inputs = keras.Input((5,))
+        return keras.Model(inputs, block(inputs))
+
+    with pytest.raises(ValueError) as error:
+        hftatf.fuse_models([model("relu"), model("sigmoid")])
+    message = str(error.value)
+    assert "activation is 'sigmoid' instead of 'relu'" in message
+    assert len(message) < 400, message
+
+
 def raw_op_model(scale=2.0, activation="softmax"):
     """A functional model with a raw `keras.ops` call and a nested model:
     its config lists the raw operation, `model.layers` does not."""

@@ -270,6 +270,24 @@ def test_keras_file_round_trip(tmp_path):
         assert_close(ours, theirs)
 
 
+@pytest.mark.parametrize("layout", ["batch_first", "models_first"])
+def test_keras_file_and_select_keep_the_layout(tmp_path, layout):
+    inputs = keras.Input((6, 6, 1))
+    hidden = keras.layers.Conv2D(2, 3, activation="relu")(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(1)(
+        keras.layers.Flatten()(hidden)))
+    array = hftatf.fuse(model, B, layout=layout)
+    array.save(tmp_path / "array.keras")
+    loaded = keras.models.load_model(tmp_path / "array.keras")
+    kept = array.select([0, 1])
+
+    def swaps(a):
+        return sum(type(la).__name__ == "SwapModelAxis" for la in a.layers)
+
+    assert swaps(array) == (layout == "models_first")
+    assert swaps(loaded) == swaps(array) == swaps(kept)
+
+
 def test_stock_callbacks_read_scalar_logs():
     x, y = data(n=32)
     array = sgd_classifier_array()
@@ -335,6 +353,22 @@ def test_train_on_batch_takes_class_weight_as_fit_does():
             for got, expected in zip(array.get_model_weights(b),
                                      model.get_weights()):
                 assert_close(got, expected, err_msg=f"model {b}")
+
+
+def test_evaluate_lists_each_log_once():
+    x, y = data(n=16)
+    array = sgd_classifier_array()
+    logs = array.evaluate(x, y, verbose=0, return_dict=True)
+    values = array.evaluate(x, y, verbose=0)
+    # Keras's order (loss, then the compiled metrics), then the models'.
+    names = ["loss", "accuracy"] + sorted(
+        f"{name}_{b}" for name in ("accuracy", "loss") for b in range(B))
+    assert len(values) == len(logs) == len(names)
+    for name, value in zip(names, values):
+        assert_close(value, logs[name], err_msg=name)
+    with pytest.raises(ValueError, match="class_weight.*sample_weight"):
+        array.fit(x, y, class_weight={0: 2.0}, sample_weight=np.ones(16),
+                  verbose=0)
 
 
 def test_listed_inputs_take_a_dict_keyed_by_input_names():
