@@ -21,8 +21,10 @@ from hftatf.optimizers.lamb import Lamb
 from hftatf.optimizers.lars import Lars
 from hftatf.optimizers.lion import Lion
 from hftatf.optimizers.loss_scale import LossScaleOptimizer
+from hftatf.optimizers.muon import Muon
 from hftatf.optimizers.nadam import Nadam
 from hftatf.optimizers.rmsprop import RMSprop
+from hftatf.optimizers.schedule_free_adamw import ScheduleFreeAdamW
 from hftatf.optimizers.sgd import SGD
 
 __all__ = [
@@ -39,8 +41,10 @@ __all__ = [
     "Lars",
     "Lion",
     "LossScaleOptimizer",
+    "Muon",
     "Nadam",
     "RMSprop",
+    "ScheduleFreeAdamW",
     "schedules",
     "select",
     "SGD",

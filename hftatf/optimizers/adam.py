@@ -6,6 +6,29 @@ from hftatf.api import hftatf_export
 from hftatf.optimizers.base import FusedOptimizer
 
 
+def adam_step(optimizer, gradient, variable, lr, m, v, beta_1, beta_2,
+              epsilon, v_hat=None):
+    """One Adam step of `variable` by `optimizer` (a `FusedOptimizer`),
+    with the `[B, 1, ..., 1]` hyper-parameters, its slots `m` and `v`, and
+    with AMSGrad's `v_hat` where given."""
+    local_step = optimizer._local_step(variable)
+    beta_1_power = ops.power(beta_1, local_step)
+    beta_2_power = ops.power(beta_2, local_step)
+    alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
+
+    optimizer.assign_add(
+        m, ops.multiply(ops.subtract(gradient, m), 1 - beta_1))
+    optimizer.assign_add(
+        v, ops.multiply(ops.subtract(ops.square(gradient), v), 1 - beta_2))
+    if v_hat is not None:
+        optimizer.assign(v_hat, ops.maximum(v_hat, v))
+        v = v_hat
+    # `+`, not ops.add: on TensorFlow, ops.add turns into bias_add (along
+    # the last axis) whenever the shapes allow it, mixing models.
+    optimizer.assign_sub(
+        variable, ops.divide(ops.multiply(m, alpha), ops.sqrt(v) + epsilon))
+
+
 @hftatf_export
 class Adam(FusedOptimizer):
     """`keras.optimizers.Adam` for an array: per-model hyper-parameters.
@@ -52,27 +75,11 @@ class Adam(FusedOptimizer):
         beta_1 = self._hyper("beta_1", variable)
         beta_2 = self._hyper("beta_2", variable)
         epsilon = self._hyper("epsilon", variable)
-        local_step = self._local_step(variable)
-        beta_1_power = ops.power(beta_1, local_step)
-        beta_2_power = ops.power(beta_2, local_step)
 
         index = self._get_variable_index(variable)
-        m = self._momentums[index]
-        v = self._velocities[index]
-
-        alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-
-        self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1 - beta_1))
-        self.assign_add(
-            v, ops.multiply(ops.subtract(ops.square(gradient), v), 1 - beta_2))
-        if self.amsgrad:
-            v_hat = self._velocity_hats[index]
-            self.assign(v_hat, ops.maximum(v_hat, v))
-            v = v_hat
-        # `+`, not ops.add: on TensorFlow, ops.add turns into bias_add (along
-        # the last axis) whenever the shapes allow it, mixing models.
-        self.assign_sub(
-            variable, ops.divide(ops.multiply(m, alpha), ops.sqrt(v) + epsilon))
+        adam_step(self, gradient, variable, lr, self._momentums[index],
+                  self._velocities[index], beta_1, beta_2, epsilon,
+                  self._velocity_hats[index] if self.amsgrad else None)
 
     def get_config(self):
         config = super().get_config()

@@ -1,5 +1,5 @@
-"""Fused AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Ftrl and Lion
-against B stock Keras optimizers, one per model.
+"""Fused AdamW, Adamax, Nadam, RMSprop, Adagrad, Adadelta, Ftrl, Lion, Muon
+and ScheduleFreeAdamW against B stock Keras optimizers, one per model.
 
 Model b's slice of every fused `[B, ...]` variable and of every slot must be
 updated exactly as a stock `keras.optimizers` instance with model b's
@@ -42,6 +42,8 @@ SLOTS = {
     "Adadelta": ("_accumulated_grads", "_accumulated_delta_vars"),
     "Ftrl": ("_accumulators", "_linears"),
     "Lion": ("_momentums",),
+    "Muon": ("momentums", "adam_velocities"),
+    "ScheduleFreeAdamW": ("_momentums", "_velocities"),
 }
 
 # Distinct values per model for every hyper-parameter.
@@ -79,6 +81,19 @@ VALUES = {
     "Lion": {"learning_rate": [0.001, 0.01, 0.003],
              "beta_1": [0.9, 0.5, 1.0],
              "beta_2": [0.99, 0.9, 0.5]},
+    # The (4, 2) variables take Muon steps, the others Adam steps.
+    "Muon": {"learning_rate": [0.01, 0.003, 0.05],
+             "adam_beta_1": [0.9, 0.8, 0.5],
+             "adam_beta_2": [0.999, 0.99, 0.9],
+             "epsilon": [1e-7, 1e-3, 1e-1],
+             "weight_decay": [0.004, 0.1, 0.0],
+             "adam_weight_decay": [0.004, 0.05, 0.2],
+             "adam_lr_ratio": [1.0, 0.1, 0.5],
+             "momentum": [0.95, 0.9, 0.5]},
+    "ScheduleFreeAdamW": {"learning_rate": [0.0025, 0.01, 0.05],
+                          "beta_1": [0.9, 0.8, 0.5],
+                          "beta_2": [0.999, 0.99, 0.9],
+                          "epsilon": [1e-8, 1e-3, 1e-1]},
 }
 NAMES = sorted(VALUES)
 # The structural options switched on: the strongest case of each optimizer.
@@ -134,8 +149,12 @@ def assert_state_matches(name, fused, fused_vars, stock, stock_vars,
             assert len(fused_slots) == len(model_slots), slot
             for i, (ours, theirs) in enumerate(zip(fused_slots,
                                                    model_slots)):
-                assert_close(np.asarray(ours)[b], theirs,
-                             err_msg=f"{err_msg} slot {slot}[{i}] model {b}")
+                # A slot a variable does not have (Muon's velocities of
+                # matrices) is None in both.
+                assert (ours is None) == (theirs is None), (slot, i)
+                if theirs is not None:
+                    assert_close(np.asarray(ours)[b], theirs, err_msg=(
+                        f"{err_msg} slot {slot}[{i}] model {b}"))
 
 
 def run_and_compare(name, fused, fused_vars, stock, stock_vars, steps):
@@ -162,6 +181,11 @@ CASES = [
     ("Adadelta", {}, {}),
     ("Ftrl", {}, {}),
     ("Lion", {}, {}),
+    ("Muon", {}, {}),
+    ("Muon", {"adam_weight_decay": None}, {"nesterov": False,
+                                           "rms_rate": None}),
+    ("ScheduleFreeAdamW", {}, {}),
+    ("ScheduleFreeAdamW", {}, {"warmup_steps": 4}),
 ]
 
 
@@ -505,9 +529,12 @@ def test_fit_matches_stock_models(name):
                         verbose=0)
     trained = array.unfuse()
     for b, model in enumerate(stock):
-        model.compile(getattr(keras.optimizers, name)(
-            **model_values(values, b), **flags),
-            loss="sparse_categorical_crossentropy")
+        optimizer = getattr(keras.optimizers, name)(
+            **model_values(values, b), **flags)
+        # Built before fit, which builds it where ScheduleFreeAdamW's
+        # assignment of the weights to its momentum does not run.
+        optimizer.build(model.trainable_variables)
+        model.compile(optimizer, loss="sparse_categorical_crossentropy")
         stock_history = model.fit(x, y, batch_size=8, epochs=1,
                                   shuffle=False, verbose=0)
         for ours, theirs in zip(trained[b].weights, model.weights):
@@ -516,3 +543,33 @@ def test_fit_matches_stock_models(name):
                      stock_history.history["loss"])
     assert not np.allclose(trained[0].get_weights()[0],
                            trained[1].get_weights()[0])
+
+
+def test_muon_decides_its_rule_on_the_stock_variables():
+    # Matrices take Muon steps, except embeddings and excluded layers; the
+    # fused variables' model axis must not turn vectors into matrices.
+    rng = np.random.default_rng(4)
+    inputs = keras.Input((3,))
+    # Excluded by its name, as an Embedding's would be (a Dense, which
+    # stock Keras updates densely too).
+    hidden = keras.layers.Dense(4, name="token_embedding")(inputs)
+    hidden = keras.layers.Dense(5, activation="tanh", name="skip_me")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(2, name="head")(hidden))
+    array = hftatf.fuse(model, B)
+    stock = array.unfuse()
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+    rates = [0.02, 0.005, 0.05]
+    array.compile(optimizers.Muon(rates, exclude_layers=["skip_me"]),
+                  loss="mse", jit_compile=False)
+    array.optimizer.build(array.trainable_variables)
+    assert [array.optimizer.uses_adam(v) for v in array.trainable_variables
+            ] == [True, True, True, True, False, True]
+    array.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for b, model in enumerate(stock):
+        model.compile(keras.optimizers.Muon(rates[b],
+                                            exclude_layers=["skip_me"]),
+                      loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        for ours, theirs in zip(array.unfuse()[b].weights, model.weights):
+            assert_close(ours, theirs, err_msg=f"model {b} {theirs.path}")
