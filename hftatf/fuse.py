@@ -388,6 +388,18 @@ class _Walker:
                 and self._calls[id(layer)] == 1
                 and registry.takes_shared_input(layer))
 
+    def _stock_shape(self, tensor):
+        """The stock model's shape of the array's `tensor` (the first of a
+        list), or None for no tensor of the graph."""
+        if isinstance(tensor, (list, tuple)) and tensor:
+            tensor = tensor[0]
+        if not isinstance(tensor, keras.KerasTensor):
+            return None
+        shape = list(tensor.shape)
+        if not self._is_shared(tensor):
+            del shape[0 if self._has_models_first(tensor) else 1]
+        return tuple(shape)
+
     def _call_operation(self, operation, *args, **kwargs):
         """A raw `keras.ops` node: once on shared tensors (it is
         deterministic), folded over the models otherwise."""
@@ -397,6 +409,16 @@ class _Walker:
             outputs = operation(*args, **kwargs)
             self._mark(outputs, True)
             return outputs
+        refusal = _batch_axis_refusal(
+            operation, self._stock_shape(args[0] if args else None))
+        if refusal:
+            raise ValueError(
+                f"hftatf cannot fuse the raw operation '{operation.name}' "
+                f"({type(operation).__name__}): it {refusal}. Folded over "
+                "the models, it would mix the models' samples. Compute it "
+                "per sample, or in a layer of its own registered with "
+                "hftatf.layers.FusedPerModel.")
+
         def fold(x):
             if not isinstance(x, keras.KerasTensor):
                 return x
@@ -436,6 +458,46 @@ class _Walker:
         outputs = self._fused[id(model)][1](*args, **kwargs)
         self._mark(outputs, False)
         return outputs
+
+
+# Raw operations whose `axis` counts the axes of their output.
+_OUTPUT_AXIS_OPERATIONS = ("ExpandDims", "Stack", "OneHot")
+
+
+def _batch_axis_refusal(operation, shape):
+    """How the raw `operation`, whose first argument has the stock `shape`,
+    reaches across the batch axis, in words; None where it treats every
+    sample on its own, as an operation folded over the models must (or
+    where its first argument is no tensor of the graph, `shape` None,
+    whose axes it may not mean)."""
+    if shape is None:
+        return None
+    ndim = len(shape) + (
+        type(operation).__name__ in _OUTPUT_AXIS_OPERATIONS)
+    if hasattr(operation, "axis"):
+        axis = operation.axis
+        if axis is None:
+            # All axes (a reduction), or the flattened tensor; Squeeze's
+            # None squeezes axes of size one only.
+            return (None if type(operation).__name__ == "Squeeze"
+                    else "acts on all axes, the batch axis included "
+                         "(axis=None)")
+        axes = axis if isinstance(axis, (list, tuple)) else [axis]
+        if any(isinstance(a, int) and a % max(ndim, 1) == 0 for a in axes):
+            return f"acts along the batch axis (axis={axis!r})"
+    axes = getattr(operation, "axes", None)
+    if type(operation).__name__ == "Transpose" and axes and axes[0] != 0:
+        return f"moves the batch axis (axes={tuple(axes)!r})"
+    new_shape = getattr(operation, "newshape", None)
+    if type(operation).__name__ == "Reshape" and new_shape is not None:
+        given = list(shape[1:])
+        wanted = list(new_shape[1:])
+        if None not in given and all(isinstance(d, int) and d >= 0
+                                     for d in wanted) and (
+                int(np.prod(given)) != int(np.prod(wanted))):
+            return (f"reshapes samples into the batch axis (to "
+                    f"{tuple(new_shape)!r} from {tuple(shape)!r})")
+    return None
 
 
 def _weighted_layers(model, prefix=""):

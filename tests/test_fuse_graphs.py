@@ -108,6 +108,41 @@ def test_raw_operations_on_a_shared_input_run_once():
     assert_array_matches(models, array, data)
 
 
+@pytest.mark.parametrize("operation, refused", [
+    (lambda h: h - ops.mean(h, axis=0, keepdims=True), "axis=\\[0\\]"),
+    (lambda h: h * ops.sum(h), "axis=None"),
+    (lambda h: ops.concatenate([h, h], axis=-3), "axis=-3"),
+    (lambda h: ops.transpose(ops.transpose(h, (1, 0, 2)), (1, 0, 2)),
+     "moves the batch axis"),
+    (lambda h: ops.reshape(h, (-1, 6)), "into the batch axis"),
+    (lambda h: h - ops.mean(h, axis=(1, 2), keepdims=True), None),
+    (lambda h: ops.reshape(ops.transpose(h, (0, 2, 1)), (-1, 12)), None),
+    (lambda h: ops.expand_dims(ops.sum(h, axis=(1, 2)), -1), None),
+    (lambda h: ops.squeeze(h[:, :1]), None),
+], ids=["mean_over_batch", "sum_of_all", "concatenate_batches",
+        "transpose_batch", "reshape_into_batch", "mean_per_sample",
+        "transpose_reshape_per_sample", "expand_last", "squeeze"])
+def test_raw_operations_across_the_batch_are_refused(operation, refused):
+    # Folded over the models, they would mix the models' samples: an
+    # operation on per-model tensors must treat each sample on its own.
+    inputs = keras.Input((4, 3))
+    hidden = operation(keras.layers.Dense(3)(inputs))
+    if len(hidden.shape) > 2:
+        hidden = keras.layers.Flatten()(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    if refused is None:
+        hftatf.fuse(model, 2)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            hftatf.fuse(model, 2)
+    # On the shared input, an operation runs once for all models: any is
+    # fine there.
+    shared = operation(inputs)
+    if shared.shape[0] is None:  # (A stock model can be built on it.)
+        hftatf.fuse(keras.Model(inputs, keras.layers.Dense(1)(
+            keras.layers.Flatten()(shared))), 2)
+
+
 def test_fold_checks_the_model_axis():
     with pytest.raises(ValueError, match="model"):
         FoldModelAxis(3)(np.zeros((2, 4, 5), "float32"))
