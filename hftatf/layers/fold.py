@@ -288,9 +288,11 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
             layer, (keras.layers.Lambda, keras.layers.Masking)))
 
     def build(self, input_shape):
-        # A layer without a `build` of its own (`Pipeline`) builds on its
-        # first call, as in a stock model.
-        if not self.layer.built and not utils.is_default(self.layer.build):
+        if not self.layer.built and utils.is_default(self.layer.build):
+            # What the stock default `build` does, without its warning about
+            # the sublayers a `Pipeline` builds on its first call.
+            self.layer.built = True
+        elif not self.layer.built:
             self.layer.build(keras.tree.map_shape_structure(
                 self._fold_shape, input_shape))
         if self.layer.weights:

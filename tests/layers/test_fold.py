@@ -952,6 +952,9 @@ def test_per_batch_layers_train_in_a_fused_model_and_unfuse():
     array = hftatf.fuse(model, NUM_MODELS)
     assert sum(isinstance(layer, FusedPerModel)
                for layer in array._flatten_layers()) == 3
+    # Built, stock layers without a build of their own included (Keras's
+    # fit would otherwise call the array on the data to build it).
+    assert all(layer.built for layer in array._flatten_layers())
     array.compile("sgd", loss="mse")
     x = rng.uniform(0.0, 1.0, (8, 8, 8, 3)).astype("float32")
     history = array.fit(x, np.zeros((8, 1)), epochs=2, batch_size=4,
