@@ -951,8 +951,7 @@ class ModelCheckpoint(PerModelMonitorCallback):
         if self._stock is None or self._stock[0] is not array:
             from hftatf.fuse import _weighted_layers
 
-            model = keras.saving.deserialize_keras_object(
-                array.source_config)
+            model = array.stock_model()
             self._stock = (array, model, _weighted_layers(model))
         return self._stock[1:]
 

@@ -395,8 +395,7 @@ def export_serving(array, directory):
         `directory` as a `pathlib.Path`.
     """
     _check_array(array, "export_serving")
-    stock = None if array.source_config is None else (
-        keras.saving.deserialize_keras_object(array.source_config))
+    stock = None if array.source_config is None else array.stock_model()
     num_models = array.num_models
     archive = keras.export.ExportArchive()
     archive.track(array)

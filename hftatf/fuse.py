@@ -264,7 +264,7 @@ class _Walker:
     def _takes_models_first(self, operation):
         return (self.models_first
                 and isinstance(operation, keras.layers.Layer)
-                and not isinstance(operation, keras.Model)
+                and not is_graph_model(operation)
                 and registry.takes_models_first(operation))
 
     def _find_consumers(self, model):
@@ -342,7 +342,7 @@ class _Walker:
         return keras.tree.map_structure(self.per_model, outputs)
 
     def __call__(self, layer, *args, **kwargs):
-        if isinstance(layer, keras.Model):
+        if is_graph_model(layer):
             return self._call_nested(layer, *args, **kwargs)
         if not isinstance(layer, keras.layers.Layer):
             return self._call_operation(layer, *args, **kwargs)
@@ -500,13 +500,23 @@ def _batch_axis_refusal(operation, shape):
     return None
 
 
+def is_graph_model(layer):
+    """Whether `layer` is a functional or Sequential model, whose graph
+    `hftatf.fuse` rebuilds with fused layers; a subclassed model used as a
+    layer runs once per model instead (`hftatf.layers.FusedPerModel`)."""
+    return isinstance(layer, keras.Model) and (
+        isinstance(layer, keras.Sequential) or hasattr(layer,
+                                                       "_nodes_by_depth"))
+
+
 def _weighted_layers(model, prefix=""):
-    """`(path, layer)` for every layer with weights, nested models entered:
-    the same paths name a stock model's layers and its array's."""
+    """`(path, layer)` for every layer with weights, nested functional and
+    Sequential models entered: the same paths name a stock model's layers
+    and its array's."""
     found = []
     for layer in model.layers:
         path = prefix + layer.name
-        if isinstance(layer, keras.Model):
+        if is_graph_model(layer):
             found.extend(_weighted_layers(layer, path + "/"))
         elif layer.weights:
             found.append((path, layer))
@@ -531,8 +541,7 @@ def unfuse(array):
         # Deserializing consumes the config: take a fresh copy each time.
         # The config is the array's own, whose layers (a Lambda's function
         # included) are already loaded: safe mode would only refuse them.
-        model = keras.saving.deserialize_keras_object(
-            array.source_config, safe_mode=False)
+        model = array.stock_model(safe_mode=False)
         for path, layer in _weighted_layers(model):
             layer.set_weights([w[index] for w in stacked[path]])
         models.append(model)
@@ -650,7 +659,7 @@ def _architecture(model):
     described = []
     for i, layer in enumerate(operations):
         layer_config = layer_configs[i] if i < len(layer_configs) else {}
-        if isinstance(layer, keras.Model):
+        if is_graph_model(layer):
             # Inner layer names are the nested model's own: compare its
             # architecture, not its names.
             layer_config = {**layer_config,

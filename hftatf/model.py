@@ -24,7 +24,7 @@ from keras.src.utils import tracking
 from hftatf import optimizers as fused_optimizers
 from hftatf import passes, seeds
 from hftatf.api import hftatf_export
-from hftatf.layers import convolutional
+from hftatf.layers import convolutional, per_model
 from hftatf.layers.base import (
     broadcast_to_models,
     has_accelerator,
@@ -429,6 +429,24 @@ class FusedModel(keras.Model):
         """The serialized stock model this array was fused from, or None."""
         return None if self._source_json is None else json.loads(
             self._source_json)
+
+    def stock_model(self, safe_mode=True):
+        """A new stock model of the architecture this array was fused from
+        (fresh weights). Classes of layers the array runs per model are
+        found even where they are not registered with Keras."""
+        if self._source_json is None:
+            raise ValueError(
+                f"Array '{self.name}' was not made by hftatf.fuse or "
+                "hftatf.fuse_models, so it has no stock architecture.")
+        with self._stock_classes():
+            return keras.saving.deserialize_keras_object(
+                self.source_config, safe_mode=safe_mode)
+
+    def _stock_classes(self):
+        """A scope in which the classes of the layers this array runs per
+        model deserialize (`hftatf.layers.FusedPerModel`)."""
+        return keras.saving.CustomObjectScope(
+            per_model.classes_inside(self._flatten_layers()))
 
     # -- calling ------------------------------------------------------------
 
@@ -1393,8 +1411,9 @@ class FusedModel(keras.Model):
     def _rebuilt(self, count):
         """A new array of this architecture with `count` models (fresh
         weights)."""
-        return type(self).from_config(_with_num_models(
-            self.get_config(), self.num_models, count))
+        with self._stock_classes():
+            return type(self).from_config(_with_num_models(
+                self.get_config(), self.num_models, count))
 
     def select(self, indices):
         """Returns a smaller array holding only the models `indices`.

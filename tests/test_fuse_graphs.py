@@ -238,12 +238,11 @@ def test_mixed_precision_policy_is_kept(bfloat16_policy):
 
 
 def test_unsupported_layer_inside_a_nested_model_is_named():
-    class Custom(keras.layers.Layer):
-        def call(self, x):
-            return x
-
-    block = keras.Sequential([keras.Input((3,)), Custom(name="odd")])
-    x = keras.Input((3,))
-    model = keras.Model(x, keras.layers.Dense(1)(block(x)))
+    block = keras.Sequential([
+        keras.Input((1,), dtype="int64"),
+        keras.layers.IntegerLookup(vocabulary=[1, 2], name="odd")])
+    x = keras.Input((1,), dtype="int64")
+    model = keras.Model(x, keras.layers.Dense(1)(
+        keras.ops.cast(block(x), "float32")))
     with pytest.raises(ValueError, match="odd"):
         hftatf.fuse(model, 2)

@@ -34,12 +34,10 @@ from hftatf.layers.convolutional import (
 from hftatf.layers.dense import FusedDense, FusedEinsumDense
 from hftatf.layers.embedding import FusedEmbedding
 from hftatf.layers.fold import (
-    PER_BATCH_LAYERS,
     PER_SAMPLE_LAYERS,
     BroadcastToModels,
     FoldModelAxis,
     FusedFold,
-    FusedPerModel,
     FusedRandomCrop,
     SwapModelAxis,
     UnfoldModelAxis,
@@ -51,6 +49,7 @@ from hftatf.layers.normalization import (
     FusedNormalization,
     FusedRMSNormalization,
 )
+from hftatf.layers.per_model import PER_BATCH_LAYERS, FusedPerModel
 from hftatf.layers.recurrent import (
     FusedConvLSTM1D,
     FusedConvLSTM2D,

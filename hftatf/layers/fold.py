@@ -454,64 +454,6 @@ class FusedRandomCrop(FusedFold):
         return images
 
 
-# Stock layers without weights that treat a batch as a whole: they mix its
-# samples (`MixUp`, `CutMix`), draw one transformation for all of them
-# (`RandAugment`'s operations, `AugMix`'s chain, `RandomGaussianBlur`'s
-# sigma, `RandomElasticTransform`'s distortion), or take statistics over it
-# (`Equalization`'s histograms); and `Pipeline`, which may hold such layers.
-PER_BATCH_LAYERS = tuple(getattr(keras.layers, name) for name in (
-    "MixUp", "CutMix", "RandAugment", "AugMix", "RandomGaussianBlur",
-    "RandomElasticTransform", "Equalization", "Pipeline",
-))
-
-
-@hftatf_export
-@registry.register(*PER_BATCH_LAYERS)
-class FusedPerModel(FusedFold):
-    """A stock layer without weights that treats a batch as a whole,
-    applied to each model's batch on its own.
-
-    Folded over the models, `MixUp` would mix one model's images with
-    another's, and a layer that draws once per batch (`RandAugment`,
-    `RandomGaussianBlur`, ...) would give all B models the same draw.
-    Here the stock layer runs once per model, on that model's batch, in
-    model order: model `b` gets what the stock layer gives one job's
-    batch, its draws the next ones of the layer's seed generator (so the
-    B models draw independently, and in either layout the same). A layer
-    of your own without weights that treats a batch as a whole fuses the
-    same way once registered:
-    `hftatf.layers.registry.register(MyLayer)(hftatf.layers.FusedPerModel)`.
-
-    Layout and arguments: as `FusedFold`.
-    """
-
-    @classmethod
-    def takes_models_first(cls, layer):
-        # A model's batch is a view with the models first.
-        return True
-
-    def call(self, inputs, training=None, mask=None):
-        kwargs = {}
-        if self.layer._call_has_training_arg and training is not None:
-            kwargs["training"] = training
-        axis = model_axis_of(self.models_first)
-        tensors = keras.tree.flatten(inputs)
-        for tensor in tensors:
-            check_model_axis(self.name, self.num_models,
-                             tuple(tensor.shape), axis)
-        pieces = [model_pieces(t, self.num_models, axis) for t in tensors]
-        outputs = []
-        for b in range(self.num_models):
-            if not _no_mask(mask) and self.layer._call_has_mask_arg:
-                kwargs["mask"] = keras.tree.map_structure(
-                    lambda m, b=b: None if m is None
-                    else ops.take(m, b, axis), mask)
-            outputs.append(self.layer(keras.tree.pack_sequence_as(
-                inputs, [p[b] for p in pieces]), **kwargs))
-        return keras.tree.map_structure(
-            lambda *ys: stack_models(list(ys), axis), *outputs)
-
-
 @hftatf_export
 class BroadcastToModels(keras.layers.Layer):
     """Gives every model of the array the same input batch.

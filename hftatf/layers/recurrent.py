@@ -1040,15 +1040,15 @@ class FusedRNN:
 
     @classmethod
     def refusal(cls, layer):
-        """Why the stock `RNN` `layer` has no fused form, or None."""
+        """Why the stock `RNN` `layer` has no fused form, or None (it then
+        runs once per model: `hftatf.layers.FusedPerModel`)."""
         if cls.fused_layer_class(layer.cell) is not None:
             return None
         return (
             "a keras.layers.RNN fuses over one stock SimpleRNNCell, LSTMCell "
             f"or GRUCell; its cell is {type(layer.cell).__module__}."
-            f"{type(layer.cell).__name__}. Stack recurrent layers (one RNN "
-            "per cell) instead of stacking cells, or write the part with a "
-            "cell of your own with hftatf.layers directly.")
+            f"{type(layer.cell).__name__}. Stacked recurrent layers (one RNN "
+            "per cell) fuse where stacked cells do not")
 
     @classmethod
     def from_stock(cls, layer, num_models):

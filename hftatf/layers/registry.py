@@ -9,7 +9,8 @@ def register(*stock_classes):
 
     The fused form must provide `from_stock(layer, num_models)`. Lookup is by
     exact class: a subclass of a stock layer may change its computation, so
-    it is not fused as its parent.
+    it is not fused as its parent (it runs once per model, as every layer
+    without a fused form of its own does: `fused_form`).
     """
 
     def decorator(fused_form):
@@ -28,9 +29,37 @@ def _refusal(layer):
     return None if refusal is None else refusal(layer)
 
 
+def refusal_of_registered_form(layer):
+    """Why the fused form registered for `layer`'s class does not take
+    this instance (see `_refusal`); None where it does or where none is
+    registered."""
+    return _refusal(layer) if type(layer) in _FUSED_FORMS else None
+
+
+def _form(layer):
+    """The fused form of `layer`: its registered one where that takes the
+    instance, `FusedPerModel` (the layer once per model) for any other
+    layer it can run, else None."""
+    from hftatf.layers import per_model
+
+    if type(layer) in _FUSED_FORMS and _refusal(layer) is None:
+        return _FUSED_FORMS[type(layer)]
+    if per_model.refusal(layer) is None:
+        return per_model.FusedPerModel
+    return None
+
+
 def is_supported(layer):
     """Whether `hftatf.fuse` can fuse `layer`."""
-    return type(layer) in _FUSED_FORMS and _refusal(layer) is None
+    return _form(layer) is not None
+
+
+def runs_per_model(layer):
+    """Whether `layer`'s fused form runs it once per model
+    (`hftatf.layers.FusedPerModel`) instead of fusing its computation."""
+    from hftatf.layers.per_model import FusedPerModel
+
+    return _form(layer) is FusedPerModel
 
 
 def is_foldable(layer):
@@ -41,49 +70,35 @@ def is_foldable(layer):
 
 
 def fused_form(layer):
-    """Returns the fused class for the stock `layer`, or raises ValueError."""
-    try:
-        form = _FUSED_FORMS[type(layer)]
-    except KeyError:
-        supported = ", ".join(sorted(c.__name__ for c in _FUSED_FORMS))
-        name = type(layer).__name__
-        hint = ""
-        if layer.built and not layer.weights:
-            hint = (f" A layer without weights that computes each sample on "
-                    f"its own fuses by folding the models into the batch: "
-                    f"hftatf.layers.registry.register({name})("
-                    "hftatf.layers.FusedFold); one that treats the batch as "
-                    "a whole (mixing its samples, or drawing once per "
-                    "batch) with hftatf.layers.FusedPerModel instead.")
-        raise ValueError(
-            f"hftatf cannot fuse layer '{layer.name}' of class "
-            f"{type(layer).__module__}.{name}: it has no fused "
-            f"form. Supported layers: {supported}. Write this part of the "
-            "model with hftatf.layers directly, or register a fused form "
-            f"with hftatf.layers.registry.register.{hint}"
-        ) from None
-    refusal = _refusal(layer)
-    if refusal is not None:
-        raise ValueError(
-            f"hftatf cannot fuse layer '{layer.name}' of class "
-            f"{type(layer).__module__}.{type(layer).__name__}: {refusal}")
-    return form
+    """Returns the fused class for `layer`, or raises ValueError.
+
+    A layer without a registered fused form (or one whose registered form
+    refuses it, like an `RNN` of a cell of its own) runs once per model
+    (`hftatf.layers.FusedPerModel`); only a layer that cannot run so (it
+    keeps state outside Keras variables) is refused."""
+    from hftatf.layers import per_model
+
+    form = _form(layer)
+    if form is not None:
+        return form
+    raise ValueError(
+        f"hftatf cannot fuse layer '{layer.name}' of class "
+        f"{type(layer).__module__}.{type(layer).__name__}: "
+        f"{per_model.refusal(layer)}")
 
 
 def takes_shared_input(layer):
     """Whether the fused form of `layer` can take the input batch all
     models share (`fuse_layer(..., shared_input=True)`)."""
     return is_supported(layer) and getattr(
-        _FUSED_FORMS[type(layer)], "fuses_shared_input", lambda _: False)(
-            layer)
+        _form(layer), "fuses_shared_input", lambda _: False)(layer)
 
 
 def takes_models_first(layer):
     """Whether the fused form of `layer` can compute on activations with
     the models first (`fuse_layer(..., models_first=True)`)."""
     return is_supported(layer) and getattr(
-        _FUSED_FORMS[type(layer)], "takes_models_first", lambda _: False)(
-            layer)
+        _form(layer), "takes_models_first", lambda _: False)(layer)
 
 
 def prefers_models_first(layer):

@@ -19,7 +19,13 @@ from testing import (
 )
 
 import hftatf
-from hftatf.layers import FusedGRU, FusedLSTM, FusedSimpleRNN, registry
+from hftatf.layers import (
+    FusedGRU,
+    FusedLSTM,
+    FusedPerModel,
+    FusedSimpleRNN,
+    registry,
+)
 
 BATCH = 3
 STEPS = 4
@@ -743,10 +749,18 @@ class OwnCell(keras.layers.Layer):
     lambda: OwnCell(),
     lambda: [keras.layers.LSTMCell(UNITS), keras.layers.LSTMCell(UNITS)],
 ], ids=["own_cell", "stacked_cells"])
-def test_rnn_of_another_cell_is_refused_naming_it(cell):
+def test_rnn_of_another_cell_runs_once_per_model(cell):
     layer = keras.layers.RNN(cell())
-    with pytest.raises(ValueError, match="SimpleRNNCell, LSTMCell or GRUCell"):
-        registry.fuse_layer(layer, NUM_MODELS)
+    fused = registry.fuse_layer(layer, NUM_MODELS)
+    assert type(fused) is FusedPerModel
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((3, NUM_MODELS, STEPS, 2)).astype("float32")
+    y = keras.ops.convert_to_numpy(fused(x))
+    for b in range(NUM_MODELS):
+        stock = keras.layers.RNN(cell())
+        stock(x[:, b])
+        stock.set_weights([w[b] for w in fused.get_weights()])
+        assert_close(y[:, b], stock(x[:, b]))
 
 
 # ConvLSTM1D/2D/3D.

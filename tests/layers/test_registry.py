@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 from testing import assert_close
 
-from hftatf.layers import PER_SAMPLE_LAYERS, FusedDense, FusedFold, registry
+from hftatf.layers import (
+    PER_SAMPLE_LAYERS,
+    FusedDense,
+    FusedFold,
+    FusedPerModel,
+    registry,
+)
 
 
 class UserDense(keras.layers.Dense):
@@ -28,33 +34,31 @@ class UserCell(keras.layers.Layer):
         return inputs, states
 
 
-@pytest.mark.parametrize("layer,class_name", [
-    pytest.param(keras.layers.RNN(UserCell(), name="my_rnn"), "RNN",
-                 id="RNN"),
-    pytest.param(UserDense(4, name="my_dense"), "UserDense", id="UserDense"),
-    pytest.param(UserReLU(name="my_relu"), "UserReLU", id="UserReLU"),
+@pytest.mark.parametrize("layer", [
+    pytest.param(keras.layers.RNN(UserCell(), name="my_rnn"), id="RNN"),
+    pytest.param(UserDense(4, name="my_dense"), id="UserDense"),
+    pytest.param(UserReLU(name="my_relu"), id="UserReLU"),
 ])
-def test_unsupported_layer_is_named_in_the_error(layer, class_name):
-    assert not registry.is_supported(layer)
+def test_layer_without_a_fused_form_runs_once_per_model(layer):
+    # Subclasses of stock layers and RNNs of other cells included: each
+    # model runs the layer itself (tests/layers/test_per_model.py).
+    assert registry.is_supported(layer)
+    assert registry.runs_per_model(layer)
     assert not registry.is_foldable(layer)
+    assert registry.fused_form(layer) is FusedPerModel
+
+
+def test_layer_that_cannot_run_per_model_is_named_in_the_error():
+    layer = keras.layers.IntegerLookup(vocabulary=[1, 2], name="my_lookup")
+    assert not registry.is_supported(layer)
     with pytest.raises(ValueError) as error:
         registry.fused_form(layer)
     message = str(error.value)
-    assert f"'{layer.name}'" in message
-    assert f"{type(layer).__module__}.{class_name}" in message
-    with pytest.raises(ValueError, match=layer.name):
+    assert "'my_lookup'" in message
+    assert "keras.src.layers.preprocessing.integer_lookup.IntegerLookup" in (
+        message)
+    with pytest.raises(ValueError, match="my_lookup"):
         registry.fuse_layer(layer, 2)
-
-
-@pytest.mark.parametrize("layer, foldable", [
-    (UserReLU(name="my_relu"), True), (UserDense(4, name="my_dense"), False)])
-def test_built_layer_without_weights_is_told_how_to_fold(layer, foldable):
-    layer(np.zeros((2, 3), "float32"))
-    with pytest.raises(ValueError) as error:
-        registry.fused_form(layer)
-    folding = (f"registry.register({type(layer).__name__})"
-               "(hftatf.layers.FusedFold)")
-    assert (folding in str(error.value)) == foldable
 
 
 def test_supported_layers():
@@ -73,7 +77,7 @@ def test_lookup_is_by_exact_class():
     assert not registry.is_foldable(keras.layers.Dense(4))
     assert keras.layers.Dense in registry.supported_layers()
     assert UserDense not in registry.supported_layers()
-    assert not registry.is_supported(UserDense(4))
+    assert registry.fused_form(UserDense(4)) is FusedPerModel
 
 
 # Constructor arguments of the per-sample classes that require some.

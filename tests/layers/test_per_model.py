@@ -1,0 +1,460 @@
+"""Layers without a fused form of their own, run once per model
+(`FusedPerModel`): layers of one's own, subclasses of stock layers,
+subclassed models inside functional ones, `RNN`s of other cells."""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras import layers, ops
+from testing import assert_close, trains_like_stock
+
+import hftatf
+from hftatf.layers import BroadcastToModels, FusedPerModel, registry
+from hftatf.layers import per_model as per_model_module
+
+NUM_MODELS = 3
+
+
+# -- Layers of one's own, as keras.io examples write them ---------------------
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class TransformerBlock(layers.Layer):
+    """keras.io's text classification Transformer block."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.ff_dim, self.rate = ff_dim, rate
+        self.att = layers.MultiHeadAttention(num_heads=num_heads,
+                                             key_dim=embed_dim)
+        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"),
+                                     layers.Dense(embed_dim)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs, training=None):
+        attention = self.dropout1(self.att(inputs, inputs), training=training)
+        out1 = self.layernorm1(inputs + attention)
+        ffn = self.dropout2(self.ffn(out1), training=training)
+        return self.layernorm2(out1 + ffn)
+
+    def get_config(self):
+        return {**super().get_config(), "embed_dim": self.embed_dim,
+                "num_heads": self.num_heads, "ff_dim": self.ff_dim,
+                "rate": self.rate}
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class TokenAndPositionEmbedding(layers.Layer):
+    """keras.io's token and position embedding."""
+
+    def __init__(self, maxlen, vocab_size, embed_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.maxlen, self.vocab_size = maxlen, vocab_size
+        self.embed_dim = embed_dim
+        self.token_emb = layers.Embedding(vocab_size, embed_dim)
+        self.pos_emb = layers.Embedding(maxlen, embed_dim)
+
+    def call(self, x):
+        positions = self.pos_emb(ops.arange(0, ops.shape(x)[-1]))
+        return self.token_emb(x) + positions
+
+    def get_config(self):
+        return {**super().get_config(), "maxlen": self.maxlen,
+                "vocab_size": self.vocab_size, "embed_dim": self.embed_dim}
+
+
+def text_classifier(rate=0.0):
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = TokenAndPositionEmbedding(6, 20, 8, name="embedding")(inputs)
+    hidden = TransformerBlock(8, 2, 12, rate=rate, name="block")(hidden)
+    hidden = layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(inputs, layers.Dense(2)(hidden))
+
+
+def tokens(rng, batch=8):
+    return rng.integers(0, 20, (batch, 6)).astype("int32")
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class NormalizedBlock(layers.Layer):
+    """State of every kind: moving statistics, a regularized kernel, an
+    added loss and dropout."""
+
+    def __init__(self, units, rate=0.0, **kwargs):
+        super().__init__(**kwargs)
+        self.units, self.rate = units, rate
+        self.norm = layers.BatchNormalization()
+        self.dense = layers.Dense(
+            units, kernel_regularizer=keras.regularizers.L2(0.05),
+            kernel_constraint=keras.constraints.MaxNorm(1.5))
+        self.dropout = layers.Dropout(rate)
+
+    def call(self, x, training=None):
+        hidden = self.dense(self.norm(x, training=training))
+        self.add_loss(0.01 * ops.mean(ops.square(hidden)))
+        return self.dropout(hidden, training=training)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units,
+                "rate": self.rate}
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class TwiceDense(layers.Dense):
+    """A subclass of a stock layer that computes something else."""
+
+    def call(self, inputs):
+        return 2.0 * super().call(inputs)
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class Residual(keras.Model):
+    """A subclassed model, used as a layer of a functional model."""
+
+    def __init__(self, units=4, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.inner = layers.Dense(units, activation="tanh")
+
+    def call(self, x):
+        return x + self.inner(x)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def stateful_model(rate=0.0):
+    inputs = keras.Input((5,))
+    hidden = layers.Dense(4)(inputs)
+    hidden = NormalizedBlock(4, rate=rate, name="normalized")(hidden)
+    hidden = Residual(4, name="residual")(hidden)
+    return keras.Model(inputs, TwiceDense(2, name="twice")(hidden))
+
+
+def per_model_layers(array):
+    return [layer for layer in array._flatten_layers()
+            if isinstance(layer, FusedPerModel)]
+
+
+def assert_unfused_models_predict_alike(array, x):
+    y = array.predict(x, verbose=0)
+    for b, stock in enumerate(array.unfuse()):
+        assert_close(y[:, b], stock.predict(x, verbose=0),
+                     err_msg=f"model {b}")
+
+
+# -- Tests --------------------------------------------------------------------
+
+
+def test_keras_io_text_transformer_trains_like_its_stock_twins():
+    rng = np.random.default_rng(0)
+    model = text_classifier()
+    array = hftatf.fuse(model, NUM_MODELS)
+    assert [layer.name for layer in per_model_layers(array)] == [
+        "embedding", "block"]
+    # The token ids are shared: every model embeds them itself, no copy of
+    # the batch per model is made.
+    assert not any(isinstance(layer, BroadcastToModels)
+                   for layer in array.layers)
+    # Each model starts from its own initialisation, in the stock order of
+    # weights.
+    embedding = array.get_layer("embedding").get_weights()[0]
+    assert not np.allclose(embedding[0], embedding[1])
+    assert [w.shape[1:] for w in array.get_layer("block").weights] == [
+        w.shape for w in model.get_layer("block").weights]
+    assert_unfused_models_predict_alike(array, tokens(rng))
+    trains_like_stock(model, tokens(rng),
+                      rng.standard_normal((8, 2)).astype("float32"),
+                      NUM_MODELS)
+
+
+def test_moving_statistics_losses_and_subclasses_train_like_stock():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((8, 5)).astype("float32")
+    y = rng.standard_normal((8, 2)).astype("float32")
+    model = stateful_model()
+    array = hftatf.fuse(model, NUM_MODELS)
+    assert [layer.name for layer in per_model_layers(array)] == [
+        "normalized", "residual", "twice"]
+    # The block's kernel regularizer and the loss it adds: one entry per
+    # model.
+    array(x, training=True)
+    assert [tuple(loss.shape) for loss in array.losses] == [
+        (NUM_MODELS,), (NUM_MODELS,)]
+    trains_like_stock(model, x, y, NUM_MODELS)
+
+
+def test_each_model_updates_its_own_moving_statistics():
+    rng = np.random.default_rng(2)
+    array = hftatf.fuse(stateful_model(), NUM_MODELS)
+    array.compile(hftatf.optimizers.SGD(0.1), loss="mse")
+    x = rng.standard_normal((8, 5)).astype("float32")
+    array.fit(x, np.zeros((8, 2)), batch_size=4, epochs=1, verbose=0)
+    block = array.get_layer("normalized")
+    names = [w.name for w in block.weights]
+    mean = ops.convert_to_numpy(block.weights[names.index("moving_mean")])
+    assert np.abs(mean).min() > 0
+    assert not np.allclose(mean[0], mean[1])
+
+
+def test_random_layers_draw_per_model_and_alike_in_passes():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8, 5)).astype("float32")
+    y = rng.standard_normal((8, 2)).astype("float32")
+    model = stateful_model(rate=0.5)
+    array = hftatf.fuse(model, NUM_MODELS)
+    same = hftatf.fuse_models([array.unfuse()[0]] * NUM_MODELS)
+    outputs = ops.convert_to_numpy(same(x, training=True))
+    assert np.abs(outputs[:, 0] - outputs[:, 1]).max() > 1e-3
+    assert_close(ops.convert_to_numpy(same(x, training=False))[:, 0],
+                 ops.convert_to_numpy(same(x, training=False))[:, 1])
+
+    def trained(models_per_pass):
+        keras.utils.set_random_seed(7)
+        copy = hftatf.fuse_models(array.unfuse())
+        copy.compile(hftatf.optimizers.SGD(0.1), loss="mse",
+                     models_per_pass=models_per_pass)
+        copy.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        return copy.get_weights()
+
+    # Model b draws after model b - 1 in one pass and in passes of one
+    # alike: the same masks, the same training.
+    for one, passes in zip(trained(None), trained(1)):
+        assert_close(one, passes)
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class Context(layers.Layer):
+    """Two tensor arguments and a number."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def call(self, x, context, scale=1.0):
+        return self.dense(x) * scale + context
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class Embed(layers.Layer):
+    """Its output carries the mask its embedding makes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = layers.Embedding(20, 3, mask_zero=True)
+
+    def call(self, x):
+        return self.embedding(x)
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class MaskedScale(layers.Layer):
+    """Reads the mask Keras hands it, and passes it on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.supports_masking = True
+
+    def call(self, x, mask=None):
+        if mask is None:
+            return -x
+        return 2.0 * x * ops.cast(mask, x.dtype)[..., None]
+
+
+@pytest.mark.parametrize("layout", ["batch_first", "models_first"])
+def test_any_call_arguments_masks_and_layouts(layout):
+    rng = np.random.default_rng(4)
+    ids = keras.Input((6,), dtype="int32")
+    context = keras.Input((6, 3))
+    # The mask reaches MaskedScale, then the LSTM, as in the stock model.
+    hidden = MaskedScale()(Embed()(ids))
+    hidden = layers.LSTM(3, return_sequences=True)(hidden)
+    # Between convolutions (a CPU array keeps the models first there).
+    hidden = Context()(layers.Conv1D(3, 1)(hidden), context=context,
+                       scale=3.0)
+    model = keras.Model([ids, context],
+                        layers.Flatten()(layers.Conv1D(2, 1)(hidden)))
+    array = hftatf.fuse(model, NUM_MODELS, layout=layout)
+    data = [tokens(rng, 4), rng.standard_normal((4, 6, 3)).astype(
+        "float32")]
+    data[0][:, 4:] = 0  # padding, masked
+    assert_unfused_models_predict_alike(array, data)
+
+
+def test_a_functional_model_sets_training_at_each_call():
+    # Keras records `training=True` for an augmentation pipeline (its
+    # default) where the model is built; `predict` runs it in inference.
+    rng = np.random.default_rng(10)
+    inputs = keras.Input((6, 6, 3))
+    hidden = layers.Pipeline([layers.RandomFlip(seed=1),
+                              layers.RandomHue(0.3, seed=2)])(inputs)
+    model = keras.Model(inputs, NormalizedBlock(2, rate=0.5)(hidden))
+    array = hftatf.fuse(model, NUM_MODELS)
+    x = rng.uniform(0.0, 1.0, (4, 6, 6, 3)).astype("float32")
+    assert_unfused_models_predict_alike(array, x)
+    trained = ops.convert_to_numpy(array(x, training=True))
+    assert np.abs(trained - array.predict(x, verbose=0)).max() > 1e-3
+
+
+def test_save_load_select_and_fuse_models_round_trip(tmp_path):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((6, 5)).astype("float32")
+    array = hftatf.fuse(stateful_model(), NUM_MODELS)
+    expected = array.predict(x, verbose=0)
+    path = str(tmp_path / "array.keras")
+    array.save(path)
+    loaded = keras.models.load_model(path)
+    assert_close(loaded.predict(x, verbose=0), expected)
+    assert_close(array.select([2, 0]).predict(x, verbose=0),
+                 expected[:, [2, 0]])
+    again = hftatf.fuse_models(array.unfuse())
+    for got, want in zip(again.get_weights(), array.get_weights()):
+        assert_close(got, want, atol=0, rtol=0)
+
+
+def test_classes_not_registered_with_keras_fuse_in_process():
+    class Scaled(layers.Layer):  # Neither registered nor importable.
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.dense = layers.Dense(2)
+
+        def call(self, x):
+            return 3.0 * self.dense(x)
+
+    class OwnCell(layers.Layer):
+        state_size = 2
+
+        def build(self, input_shape):
+            self.kernel = self.add_weight(shape=(input_shape[-1], 2))
+
+        def call(self, inputs, states):
+            output = ops.matmul(inputs, self.kernel) + states[0]
+            return output, [output]
+
+    rng = np.random.default_rng(6)
+    inputs = keras.Input((4, 3))
+    hidden = layers.RNN(OwnCell(), return_sequences=True)(inputs)
+    model = keras.Model(inputs, layers.Flatten()(Scaled()(hidden)))
+    x = rng.standard_normal((6, 4, 3)).astype("float32")
+    trains_like_stock(model, x, rng.standard_normal((6, 8)).astype(
+        "float32"), NUM_MODELS)
+    array = hftatf.fuse(model, NUM_MODELS)
+    assert len(per_model_layers(array)) == 2
+    assert_close(array.select([1]).predict(x, verbose=0)[:, 0],
+                 array.predict(x, verbose=0)[:, 1])
+
+
+@pytest.mark.parametrize("factory,data", [
+    pytest.param(lambda: layers.RNN([layers.LSTMCell(3), layers.GRUCell(2)]),
+                 lambda rng: rng.standard_normal((4, 5, 2)).astype(
+                     "float32"), id="stacked_cells"),
+    pytest.param(lambda: layers.STFTSpectrogram(
+        frame_length=16, frame_step=8, fft_length=16, trainable=True),
+        lambda rng: rng.standard_normal((2, 64, 1)).astype("float32"),
+        id="STFTSpectrogram"),
+])
+def test_stock_layers_without_a_fused_form_run_per_model(factory, data):
+    rng = np.random.default_rng(7)
+    x = data(rng)
+    inputs = keras.Input(x.shape[1:])
+    model = keras.Model(inputs, factory()(inputs))
+    array = hftatf.fuse(model, NUM_MODELS)
+    assert len(per_model_layers(array)) == 1
+    assert_unfused_models_predict_alike(array, x)
+
+
+def test_reversible_embedding_ties_its_weights_per_model():
+    rng = np.random.default_rng(8)
+    inputs = keras.Input((5,), dtype="int32")
+    embedding = layers.ReversibleEmbedding(20, 4)
+    model = keras.Model(inputs, embedding(embedding(inputs), reverse=True))
+    array = hftatf.fuse(model, NUM_MODELS)
+    assert_unfused_models_predict_alike(array, tokens(rng, 4)[:, :5])
+    trains_like_stock(model, tokens(rng, 4)[:, :5],
+                      rng.standard_normal((4, 5, 20)).astype("float32"),
+                      NUM_MODELS)
+
+
+def test_mixed_precision_computes_like_the_stock_layer():
+    rng = np.random.default_rng(9)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        inputs = keras.Input((5,))
+        hidden = NormalizedBlock(4, name="normalized")(
+            layers.Dense(4)(inputs))
+        model = keras.Model(inputs, layers.Dense(2, dtype="float32")(hidden))
+        array = hftatf.fuse(model, NUM_MODELS)
+        block = array.get_layer("normalized")
+        assert block.compute_dtype == "float16"
+        assert {w.dtype for w in block.weights} == {"float32"}
+        x = rng.standard_normal((4, 5)).astype("float32")
+        y = array.predict(x, verbose=0)
+        for b, stock in enumerate(array.unfuse()):
+            # Both compute in float16: the same rounding.
+            assert_close(y[:, b], stock.predict(x, verbose=0), atol=1e-3,
+                         rtol=1e-3)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_warning_names_each_layer_class_once(monkeypatch):
+    monkeypatch.setattr(per_model_module, "_warned", set())
+
+    class Doubled(layers.Layer):
+        def call(self, x):
+            return 2.0 * x
+
+    inputs = keras.Input((3,))
+    hidden = Doubled(name="first")(layers.Dense(3)(inputs))
+    model = keras.Model(inputs, Doubled(name="second")(hidden))
+    model(np.zeros((1, 3), "float32"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hftatf.fuse(model, 2)
+    messages = [str(w.message) for w in caught
+                if "once per model" in str(w.message)]
+    assert len(messages) == 1
+    assert "'first' (Doubled): hftatf has no fused form" in messages[0]
+    # Weightless: folding is the faster way, and the warning says how.
+    assert "register(Doubled)(hftatf.layers.FusedFold)" in messages[0]
+    # Per-batch stock layers run per model by design: no warning.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        registry.fuse_layer(layers.MixUp(), 2)
+    assert not [w for w in caught if "once per model" in str(w.message)]
+
+
+def test_layers_with_state_outside_keras_variables_are_refused():
+    import tensorflow as tf
+
+    class Counter(layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.count = tf.Variable(0.0, trainable=False)
+
+        def call(self, x):
+            self.count.assign_add(1.0)
+            return x
+
+    inputs = keras.Input((3,))
+    block = keras.Sequential([keras.Input((3,)), Counter(name="counter")])
+    model = keras.Model(inputs, block(layers.Dense(3)(inputs)))
+    with pytest.raises(ValueError, match=r"'counter'.*counter\.count"):
+        hftatf.fuse(model, 2)
+    lookup = layers.StringLookup(vocabulary=["a", "b"], name="lookup")
+    assert not registry.is_supported(lookup)
+    with pytest.raises(ValueError, match="'lookup'.*outside Keras variables"):
+        registry.fused_form(lookup)
+
+
+def test_fused_per_model_refuses_a_wrong_model_axis():
+    fused = registry.fuse_layer(layers.RNN([layers.LSTMCell(2)] * 2), 3)
+    assert type(fused) is FusedPerModel
+    with pytest.raises(ValueError, match="num_models=3 on axis 1"):
+        fused(np.zeros((2, 4, 5, 1), "float32"))
