@@ -949,10 +949,10 @@ class ModelCheckpoint(PerModelMonitorCallback):
         save loads a model's slice into it."""
         array = self.array
         if self._stock is None or self._stock[0] is not array:
-            from hftatf.fuse import _weighted_layers
+            from hftatf.fuse import weighted_layers
 
             model = array.stock_model()
-            self._stock = (array, model, _weighted_layers(model))
+            self._stock = (array, model, weighted_layers(model))
         return self._stock[1:]
 
     def _save(self, b, stacked, filepath):
@@ -985,7 +985,7 @@ class ModelCheckpoint(PerModelMonitorCallback):
 def _stacked_layer_weights(array):
     """`{layer path: [B, ...] weights}` for every layer of `array` with
     weights, keyed as the stock model's layers are."""
-    from hftatf.fuse import _weighted_layers
+    from hftatf.fuse import weighted_layers
 
     return {path: layer.get_weights()
-            for path, layer in _weighted_layers(array)}
+            for path, layer in weighted_layers(array)}

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 import hftatf
-from hftatf.fuse import _input_structure, _weighted_layers, fuse, fuse_models
+from hftatf.fuse import _input_structure, fuse, fuse_models, weighted_layers
 from hftatf.model import FusedModel
 
 # What `export_models` can write for each model.
@@ -487,9 +487,9 @@ def _model_call(array, stock, index):
 def _variable_map(array, model, index):
     """`id(variable of model)` -> the array variable holding its value
     (slice `index` of it, or all of it for `index=None`)."""
-    arrays = dict(_weighted_layers(array))
+    arrays = dict(weighted_layers(array))
     mapping = {}
-    for path, layer in _weighted_layers(model):
+    for path, layer in weighted_layers(model):
         for ours, theirs in zip(layer.weights, arrays[path].weights):
             mapping[id(ours)] = (theirs, index)
     return mapping

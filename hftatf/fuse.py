@@ -5,6 +5,7 @@ of `ms`, and `fuse_models(unfuse(a))` the weights of `a`.
 """
 
 import collections
+import inspect
 import os
 
 import keras
@@ -99,7 +100,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         outputs,
         num_models=num_models,
         shared_inputs=shared_inputs,
-        source=keras.saving.serialize_keras_object(model),
+        source=_source(model),
         name=name or f"fused_{model.name}",
     )
     # Saved with the array's config, so that a reloaded (or selected)
@@ -500,6 +501,38 @@ def _batch_axis_refusal(operation, shape):
     return None
 
 
+def _source(model):
+    """`model` serialized, for `FusedModel.stock_model`, with each layer's
+    config holding the layer's name: a layer of your own whose `get_config`
+    leaves the name out would come back under another, which its weights
+    could not be matched by."""
+    config = keras.saving.serialize_keras_object(model)
+    _name_layer_configs(model, config)
+    return config
+
+
+def _name_layer_configs(model, config):
+    entries = config["config"]["layers"]
+    if isinstance(model, keras.Sequential):
+        # With its input layer, as `Sequential.get_config` lists them.
+        layers = super(keras.Sequential, model).layers
+    else:
+        by_name = {layer.name: layer for layer in model.operations}
+        layers = [by_name[entry["name"]] for entry in entries]
+    for layer, entry in zip(layers, entries):
+        if is_graph_model(layer):
+            _name_layer_configs(layer, entry)
+        elif "name" not in entry["config"] and _takes_name(type(layer)):
+            entry["config"]["name"] = layer.name
+
+
+def _takes_name(layer_class):
+    """Whether `layer_class`'s constructor takes a `name` argument."""
+    parameters = inspect.signature(layer_class.__init__).parameters.values()
+    return any(p.name == "name" or p.kind is p.VAR_KEYWORD
+               for p in parameters)
+
+
 def is_graph_model(layer):
     """Whether `layer` is a functional or Sequential model, whose graph
     `hftatf.fuse` rebuilds with fused layers; a subclassed model used as a
@@ -509,7 +542,7 @@ def is_graph_model(layer):
                                                        "_nodes_by_depth"))
 
 
-def _weighted_layers(model, prefix=""):
+def weighted_layers(model, prefix=""):
     """`(path, layer)` for every layer with weights, nested functional and
     Sequential models entered: the same paths name a stock model's layers
     and its array's."""
@@ -517,7 +550,7 @@ def _weighted_layers(model, prefix=""):
     for layer in model.layers:
         path = prefix + layer.name
         if is_graph_model(layer):
-            found.extend(_weighted_layers(layer, path + "/"))
+            found.extend(weighted_layers(layer, path + "/"))
         elif layer.weights:
             found.append((path, layer))
     return found
@@ -535,14 +568,14 @@ def unfuse(array):
             "hftatf.fuse_models, so it has no stock architecture to unfuse "
             "into.")
     stacked = {path: layer.get_weights()
-               for path, layer in _weighted_layers(array)}
+               for path, layer in weighted_layers(array)}
     models = []
     for index in range(array.num_models):
         # Deserializing consumes the config: take a fresh copy each time.
         # The config is the array's own, whose layers (a Lambda's function
         # included) are already loaded: safe mode would only refuse them.
         model = array.stock_model(safe_mode=False)
-        for path, layer in _weighted_layers(model):
+        for path, layer in weighted_layers(model):
             layer.set_weights([w[index] for w in stacked[path]])
         models.append(model)
     return models
@@ -588,8 +621,8 @@ def fuse_models(models, shared_inputs=True, name=None,
                 f"('{models[0].name}'): {difference}.")
     array = fuse(models[0], len(models), shared_inputs=shared_inputs,
                  name=name, model_class=model_class, layout=layout)
-    fused = dict(_weighted_layers(array))
-    layers = [_weighted_layers(model) for model in models]
+    fused = dict(weighted_layers(array))
+    layers = [weighted_layers(model) for model in models]
     for position, (path, _) in enumerate(layers[0]):
         per_model = [model_layers[position][1].get_weights()
                      for model_layers in layers]

@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 from keras.src import backend
+from keras.src.backend import get_keras_mask, set_keras_mask
 
 # CompileLoss and CompileMetrics are what stock `Model.compile` builds; one
 # per model gives every model exactly the stock loss and metric semantics
@@ -260,13 +261,26 @@ def _transposed_by(tensor, order):
 def _model_slices(tensor, num_models):
     """Each model's slice of `tensor` (`_unstack_models`), keeping the
     logits Keras caches on softmax and sigmoid outputs (its crossentropy
-    reads them for exactness)."""
+    reads them for exactness) and the output's mask (its losses and
+    metrics leave masked steps out)."""
     slices = _unstack_models(tensor, num_models)
     logits = getattr(tensor, "_keras_logits", None)
     if logits is not None:
         for sliced, sliced_logits in zip(
                 slices, _unstack_models(logits, num_models)):
             keep_logits(sliced, sliced_logits)
+    mask = get_keras_mask(tensor)
+    if mask is not None:
+        rank = len(tensor.shape)
+        if len(mask.shape) == rank - 1:  # `[batch, B, ...]`: per model
+            masks = _unstack_models(mask, num_models)
+        elif len(mask.shape) == rank - 2:  # no model axis: shared
+            masks = [mask] * num_models
+        else:
+            masks = [None] * num_models
+        for sliced, sliced_mask in zip(slices, masks):
+            if sliced_mask is not None:
+                set_keras_mask(sliced, sliced_mask)
     return slices
 
 
@@ -322,6 +336,16 @@ def _sum_gradients(parts):
     passes' (None if none has one)."""
     parts = [tf.convert_to_tensor(g) for g in parts if g is not None]
     return ops.sum(ops.stack(parts), axis=0) if parts else None
+
+
+def _set_inner_trainable_flags(model, flags):
+    """Gives the layers of the stock `model` at the paths of `flags`
+    (`FusedModel._inner_trainable_flags`) their `trainable` flags."""
+    from hftatf.fuse import weighted_layers
+
+    for path, layer in weighted_layers(model):
+        if path in flags:
+            per_model.set_trainable_flags(layer, flags[path])
 
 
 def _pass_values(values, roles, start, count):
@@ -439,8 +463,24 @@ class FusedModel(keras.Model):
                 f"Array '{self.name}' was not made by hftatf.fuse or "
                 "hftatf.fuse_models, so it has no stock architecture.")
         with self._stock_classes():
-            return keras.saving.deserialize_keras_object(
+            model = keras.saving.deserialize_keras_object(
                 self.source_config, safe_mode=safe_mode)
+        _set_inner_trainable_flags(model, self._inner_trainable_flags())
+        return model
+
+    def _inner_trainable_flags(self):
+        """`{path: flags}` of the layers this array runs per model that
+        have frozen layers inside them (`per_model.trainable_flags`),
+        which their configs do not say."""
+        from hftatf.fuse import weighted_layers
+
+        found = {}
+        for path, layer in weighted_layers(self):
+            if isinstance(layer, per_model.FusedPerModel):
+                flags = per_model.trainable_flags(layer.layer)
+                if not all(flags):
+                    found[path] = flags
+        return found
 
     def _stock_classes(self):
         """A scope in which the classes of the layers this array runs per
@@ -668,8 +708,10 @@ class FusedModel(keras.Model):
                 for variable in layer.trainable_weights]
 
     def _has_convolutions(self):
-        return any(convolutional.is_convolution(layer)
-                   for layer in self._flatten_layers())
+        layers = list(self._flatten_layers())
+        return any(convolutional.is_convolution(layer) for layer in layers) or (
+            any(per_model.is_stock_convolution(inner)
+                for inner in per_model.layers_inside(layers)))
 
     # -- losses -------------------------------------------------------------
 
@@ -1174,8 +1216,13 @@ class FusedModel(keras.Model):
         """A snapshot of the per-model state the forward pass updates
         (moving statistics), for `apply_model_gradients` to give frozen and
         diverging models theirs back. Take it before the forward pass."""
+        # Not the seed generators' states (shape [2], B's shape when B is
+        # 2): random streams go on for frozen models too.
+        seeds = {id(g.state) for layer in self._flatten_layers()
+                 for g in getattr(layer, "_seed_generators", ())}
         variables = [v for v in self.non_trainable_variables
-                     if len(v.shape) and v.shape[0] == self.num_models]
+                     if len(v.shape) and v.shape[0] == self.num_models
+                     and id(v) not in seeds]
         variables += self._weights_assigned_in_training()
         return variables, [ops.copy(v) for v in variables]
 
@@ -1508,6 +1555,9 @@ class FusedModel(keras.Model):
         else:
             config = {"name": self.name, "trainable": self.trainable,
                       "source": self.source_config}
+            flags = self._inner_trainable_flags()
+            if flags:
+                config["inner_trainable"] = flags
         config.update(num_models=self.num_models,
                       shared_inputs=list(self._shared_inputs))
         if self._source_json is not None and self._layout != "auto":
@@ -1521,11 +1571,13 @@ class FusedModel(keras.Model):
         shared_inputs = config.pop("shared_inputs", True)
         source = config.pop("source", None)
         layout = config.pop("layout", "auto")
+        inner_trainable = config.pop("inner_trainable", {})
         if source is not None:
             from hftatf.fuse import fuse
 
             stock = keras.saving.deserialize_keras_object(
                 source, custom_objects=custom_objects)
+            _set_inner_trainable_flags(stock, inner_trainable)
             array = fuse(stock, num_models, shared_inputs=shared_inputs,
                          name=config.get("name"), model_class=cls,
                          layout=layout)

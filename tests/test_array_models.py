@@ -105,6 +105,27 @@ def test_a_frozen_model_keeps_its_weights_and_optimizer_state(jit_compile):
     assert not np.array_equal(array.get_model_weights(1)[0], weights[0])
 
 
+def test_freezing_a_model_of_two_leaves_the_others_random_stream():
+    # A seed generator's state has shape [2], an array of two's model
+    # axis: it is no per-model state for a frozen model to keep.
+    x, y = data(seed=3, n=16)
+
+    def trained(freeze):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((x.shape[1],))
+        hidden = keras.layers.Dropout(0.5)(keras.layers.Dense(8)(inputs))
+        array = hftatf.fuse(keras.Model(inputs, keras.layers.Dense(2)(
+            hidden)), 2)
+        array.compile(hftatf.optimizers.SGD(0.1), loss="mse")
+        if freeze:
+            array.freeze_models([1])
+        array.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        return array.get_model_weights(0)
+
+    for ours, theirs in zip(trained(True), trained(False)):
+        np.testing.assert_array_equal(ours, theirs)
+
+
 def test_model_indices_are_checked():
     array = array_with("sgd")
     for bad in ([3], [-1], [1.5], [True]):

@@ -225,6 +225,36 @@ def test_per_model_losses_copy_no_predictions(num_models):
             assert_close(ours[b], theirs)
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "per_model"])
+def test_masked_outputs_leave_masked_steps_out_of_losses(shared):
+    # The mask an output carries (here from the padding of shared or
+    # per-model ids) weighs each model's loss and metric, as Keras's.
+    from testing import trains_like_stock
+
+    rng = np.random.default_rng(21)
+    ids = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Embedding(20, 4, mask_zero=True)(ids)
+    hidden = keras.layers.LSTM(3, return_sequences=True)(hidden)
+    model = keras.Model(ids, keras.layers.Dense(2)(hidden))
+    x = rng.integers(1, 20, (6, 5)).astype("int32")
+    x[:, 3:] = 0
+    y = rng.standard_normal((6, 5, 2)).astype("float32")
+    y[:, 3:] = 100.0  # counted only where the mask were ignored
+    if shared:
+        trains_like_stock(model, x, y)
+        return
+    array = hftatf.fuse(model, 2, shared_inputs=False)
+    x2 = np.stack([x, np.where(x > 0, (x + 3) % 19 + 1, 0)], axis=1)
+    x2[:4, 1, 2] = 0  # model 1 masks one more step of some samples
+    array.compile(hftatf.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    logs = array.evaluate(x2, y, verbose=0, return_dict=True)
+    for b, twin in enumerate(array.unfuse()):
+        twin.compile(keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+        loss, mae = twin.evaluate(x2[:, b], y, verbose=0)
+        assert_close(logs[f"loss_{b}"], loss)
+        assert_close(logs[f"mae_{b}"], mae)
+
+
 def test_regularization_losses_are_per_model():
     x = keras.Input((5,))
     y = keras.layers.Dense(

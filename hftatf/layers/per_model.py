@@ -19,6 +19,16 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 from keras.src.backend import get_keras_mask, set_keras_mask
+from keras.src.layers.convolutional.base_conv import BaseConv
+from keras.src.layers.convolutional.base_conv_transpose import (
+    BaseConvTranspose,
+)
+from keras.src.layers.convolutional.base_depthwise_conv import (
+    BaseDepthwiseConv,
+)
+from keras.src.layers.convolutional.base_separable_conv import (
+    BaseSeparableConv,
+)
 from tensorflow.python.trackable.resource import CapturableResource
 
 from hftatf.api import hftatf_export
@@ -75,17 +85,25 @@ def _outside_state(layer):
     return None
 
 
+def layers_inside(layers):
+    """The layers run per model among `layers`, and every layer inside
+    them (stock layers, not fused forms)."""
+    return [inner for layer in layers if isinstance(layer, FusedPerModel)
+            for inner in layer.layer._flatten_layers(include_self=True)]
+
+
 def classes_inside(layers):
-    """`{name: class}` of the layers run per model among `layers` and of
-    every layer inside them: what deserializing their configs needs where
-    the classes are not registered with Keras (a layer class of a script's
-    own)."""
-    classes = {}
-    for layer in layers:
-        if isinstance(layer, FusedPerModel):
-            for inner in layer.layer._flatten_layers(include_self=True):
-                classes[type(inner).__name__] = type(inner)
-    return classes
+    """`{name: class}` of `layers_inside(layers)`: what deserializing their
+    configs needs where the classes are not registered with Keras (a layer
+    class of a script's own)."""
+    return {type(inner).__name__: type(inner)
+            for inner in layers_inside(layers)}
+
+
+def is_stock_convolution(layer):
+    """Whether `layer` is a stock Keras convolution of any family."""
+    return isinstance(layer, (BaseConv, BaseConvTranspose,
+                              BaseDepthwiseConv, BaseSeparableConv))
 
 
 def copy_layer(layer):
@@ -105,21 +123,42 @@ def copy_layer(layer):
 
 
 def split_arguments(args, kwargs):
-    """The tensors (and NumPy arrays) of a call's `args` and `kwargs`, in
-    order, and the call's arguments with each replaced by a mark of its
-    index."""
+    """The per-model tensors of a call's `args` and `kwargs`, in order, and
+    the call's arguments with each replaced by a mark of its index.
+
+    In a symbolic call (building a model), the symbolic tensors are the
+    per-model ones and a concrete value (a NumPy array, a constant tensor)
+    is a constant all models take as it is, as in the stock model; in a
+    call on data, every tensor and array is per model."""
     tensors = []
+    symbolic = any(isinstance(value, keras.KerasTensor)
+                   for value in keras.tree.flatten((args, kwargs)))
+
+    def is_per_model(value):
+        if symbolic:
+            return isinstance(value, keras.KerasTensor)
+        return ops.is_tensor(value) or isinstance(value, np.ndarray)
 
     def mark(value):
-        if ops.is_tensor(value) or isinstance(value, (keras.KerasTensor,
-                                                      np.ndarray)):
+        if is_per_model(value):
             tensors.append(value)
             return {_TENSOR: len(tensors) - 1}
+        if ops.is_tensor(value) or isinstance(value, np.ndarray):
+            return _Constant(value)
         return value
 
     arguments = {"args": keras.tree.map_structure(mark, list(args)),
                  "kwargs": keras.tree.map_structure(mark, dict(kwargs))}
     return tensors, arguments
+
+
+class _Constant:
+    """A constant argument of the stock call, held apart from the per-model
+    tensors (Keras takes no tensors mixed with other values in one
+    argument)."""
+
+    def __init__(self, value):
+        self.value = value
 
 
 def _is_mark(value):
@@ -132,6 +171,8 @@ def filled_arguments(arguments, tensors):
     def fill(value):
         if _is_mark(value):
             return tensors[int(value[_TENSOR])]
+        if isinstance(value, _Constant):
+            return value.value
         if isinstance(value, dict):
             return {key: fill(item) for key, item in value.items()}
         if isinstance(value, (list, tuple)):
@@ -165,7 +206,13 @@ class FusedPerModel(FusedLayer):
     * random state (the seed generators of the layer and of the layers
       inside it): one stream, carried from model to model (model `b` draws
       the numbers after model `b - 1`'s), so the models draw independently,
-      and alike whether the array computes in one pass or in several;
+      and alike whether the array computes in one pass or in several; the
+      same for any variable outside the layer that its call assigns (Keras's
+      global seed generator, which unseeded `keras.random` calls draw from);
+    * `trainable` flags: the layer's own and those of the layers inside it
+      (`inner_trainable`, which a config does not carry), so a frozen
+      `BatchNormalization` inside computes in inference as in the stock
+      layer; setting the wrapper's flag sets them all, as Keras does;
     * losses the layer adds (`add_loss`, activity regularizers of the
       layers inside it): a `[B]` loss, entry `b` model `b`'s;
     * masks: model `b`'s slice of each input's mask reaches the layer as
@@ -177,7 +224,9 @@ class FusedPerModel(FusedLayer):
 
     Layout: every tensor argument `[batch, B, ...]` (`[B, batch, ...]` with
     `models_first`), or, with `shared_input`, the stock shapes, every model
-    calling the layer on the same tensors; outputs with the model axis.
+    calling the layer on the same tensors; outputs with the model axis. A
+    constant given where the model is built (a NumPy array) is the same
+    for all models.
 
     Args:
         layer: the stock layer (unbuilt, or built: its copies are made
@@ -186,13 +235,16 @@ class FusedPerModel(FusedLayer):
         shared_input: whether the tensor arguments are shared by all models
             (no model axis).
         models_first: whether activations have the models first.
+        inner_trainable: the `trainable` flags of the layers inside
+            `layer`, outer layers first, where some differ from `layer`'s
+            own (`from_stock` reads them from the stock layer).
         **kwargs: the stock `keras.layers.Layer` arguments.
     """
 
     supports_models_first = True
 
     def __init__(self, layer, num_models, shared_input=False,
-                 models_first=False, **kwargs):
+                 models_first=False, inner_trainable=None, **kwargs):
         kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(num_models, models_first=models_first, **kwargs)
         problem = refusal(layer)
@@ -207,8 +259,59 @@ class FusedPerModel(FusedLayer):
         # variables are no state of the array.
         self._holder = _Holder(layer)
         self.supports_masking = True
+        # The `trainable` flags of the layers inside the layer, where some
+        # differ from the layer's own (`_trainable_flags`).
+        self.inner_trainable = (None if inner_trainable is None
+                                else [bool(f) for f in inner_trainable])
         self._stacked = []  # [B, ...] variable per weight of the layer
         self._seeds = []  # seed generator per random state of the layer
+        self._specs = None  # the per-model call's arguments, once built
+        self._assigned = []  # see `assigns_weights_in_training`
+
+    @property
+    def assigns_weights_in_training(self):
+        """Whether the layer's forward pass in training assigns trainable
+        weights (a `SpectralNormalization` inside it, or a `call` of your
+        own that normalizes its kernel): the array then trains in one pass.
+        Found by tracing one model's call in training, once built."""
+        if not self.built:
+            return any(isinstance(inner, keras.layers.SpectralNormalization)
+                       for inner in self.layer._flatten_layers())
+        return any(self._stacked[i].trainable for i in self._assigned)
+
+    def _weights_assigned_in_training(self):
+        """The indices of the layer's weights that its call in training
+        assigns, from a trace of the call (never run)."""
+        layer = self.layer
+        specs, arguments = self._specs
+        found = []
+
+        def trace(*tensors):
+            args, kwargs = filled_arguments(arguments, list(tensors))
+            with keras.StatelessScope() as scope:
+                layer(*args, training=True, **kwargs)
+            found.extend(i for i, w in enumerate(layer.weights)
+                         if scope.get_current_value(w) is not None)
+
+        tf.function(trace, autograph=False).get_concrete_function(
+            *[tf.TensorSpec(spec.shape, spec.dtype) for spec in specs])
+        return found
+
+    @property
+    def trainable(self):
+        return self._trainable
+
+    @trainable.setter
+    def trainable(self, value):
+        # As for the stock layer: the flag goes to every layer inside it,
+        # and each weight keeps the flag of the layer that holds it.
+        keras.layers.Layer.trainable.fset(self, value)
+        if not hasattr(self, "_holder"):
+            return  # Keras's constructor sets it first
+        _set_trainable(self.layer, value)
+        self.inner_trainable = None
+        for variable, weight in zip(self._stacked, self.layer.weights):
+            variable.trainable = weight.trainable
 
     @property
     def layer(self):
@@ -240,7 +343,8 @@ class FusedPerModel(FusedLayer):
                 f"hftatf.layers.registry.register where speed matters.{hint}",
                 stacklevel=3)
         return cls(copy_layer(layer), num_models, shared_input=shared_input,
-                   models_first=models_first, name=layer.name,
+                   models_first=models_first,
+                   inner_trainable=_trainable_flags(layer), name=layer.name,
                    trainable=layer.trainable)
 
     @classmethod
@@ -268,8 +372,8 @@ class FusedPerModel(FusedLayer):
             tensors, arguments = split_arguments(args, kwargs)
             args, kwargs = (tensors,), {"stock_arguments": arguments, **own}
         if not self.built:
-            self._pending = ([self._model_spec(t) for t in args[0]],
-                             kwargs["stock_arguments"])
+            self._specs = ([self._model_spec(t) for t in args[0]],
+                           kwargs["stock_arguments"])
         return super().__call__(*args, **kwargs)
 
     def _model_spec(self, tensor):
@@ -285,8 +389,7 @@ class FusedPerModel(FusedLayer):
         """Builds one copy of the layer per model on its inputs (their
         shapes and dtypes, from the first call) and stacks their weights."""
         del input_shape
-        specs, arguments = self._pending
-        del self._pending
+        specs, arguments = self._specs
         args, kwargs = filled_arguments(arguments, specs)
         copies = [self.layer] + [copy_layer(self.layer)
                                  for _ in range(self.num_models - 1)]
@@ -294,6 +397,7 @@ class FusedPerModel(FusedLayer):
             for copy in copies:
                 if not copy.built or copy is not self.layer:
                     copy(*args, **kwargs)
+                self._set_trainable_flags(copy)
             template = self.layer
             outside = _outside_state(template)
             if outside:
@@ -311,7 +415,18 @@ class FusedPerModel(FusedLayer):
                     0, name="seed_generator")
                 generator.state.assign(state)
                 self._seeds.append(generator)
+            self._assigned = self._weights_assigned_in_training()
         self.built = True
+
+    def _set_trainable_flags(self, copy):
+        """Gives the built `copy` of the layer the stock layer's
+        `trainable` flags, its own and those of the layers inside it (a
+        config holds only the layer's own)."""
+        if self.inner_trainable is None:
+            _set_trainable(copy, self.trainable)
+        else:
+            set_trainable_flags(copy, [self.trainable]
+                                + self.inner_trainable)
 
     def _stack_weight(self, weight, copies):
         """The `[B, ...]` variable of the layer's `weight`, holding the
@@ -337,16 +452,15 @@ class FusedPerModel(FusedLayer):
 
     def call(self, inputs, stock_arguments=None, training=None):
         layer = self.layer
-        if layer.trainable != self.trainable:
-            # A frozen layer computes as frozen (a batch normalization
-            # inside it in inference mode), as its stock twin would.
-            layer.trainable = self.trainable
         axis = self.model_axis
         pieces = [self._pieces(tensor) for tensor in inputs]
         weights = layer.weights
         values = [v.value for v in self._stacked]
+        trainable = {id(w) for w in weights if w.trainable}
         states = _random_states(layer)
         carried = [g.state.value for g in self._seeds]
+        own = {id(v) for v in weights + states}
+        outside = {}
         outputs, losses, updates = [], [], []
         for b in range(self.num_models):
             args, kwargs = filled_arguments(stock_arguments,
@@ -355,14 +469,22 @@ class FusedPerModel(FusedLayer):
                 kwargs["training"] = training
             mapping = ([(w, v[b]) for w, v in zip(weights, values)]
                        + list(zip(states, carried)))
-            with keras.StatelessScope(state_mapping=mapping,
-                                      collect_losses=True) as scope:
+            mapping += [(v, value) for v, value in outside.values()]
+            with _ModelScope(mapping, trainable) as scope:
                 read = [scope.get_current_value(w) for w in weights]
                 outputs.append(layer(*args, **kwargs))
             losses.append(list(scope.losses))
             updates.append([(scope.get_current_value(w), r)
                             for w, r in zip(weights, read)])
             carried = [scope.get_current_value(s) for s in states]
+            # Variables outside the layer that its call assigns (the
+            # global seed generator of unseeded `keras.random` calls): the
+            # next model reads what this one assigned, as it would after
+            # a stock call.
+            for variable in scope.assigned:
+                if id(variable) not in own:
+                    outside[id(variable)] = (
+                        variable, scope.get_current_value(variable))
         for index, variable in enumerate(self._stacked):
             # A weight the calls assign (moving statistics): every model's
             # new value.
@@ -371,6 +493,8 @@ class FusedPerModel(FusedLayer):
                 variable.assign(ops.stack([new for new, _ in pairs]))
         for generator, state in zip(self._seeds, carried):
             generator.state.assign(state)
+        for variable, value in outside.values():
+            variable.assign(value)
         if any(losses):
             self.add_loss(ops.stack([_total(found) for found in losses]))
         return keras.tree.map_structure(
@@ -422,6 +546,8 @@ class FusedPerModel(FusedLayer):
         config["layer"] = keras.saving.serialize_keras_object(self.layer)
         if self.shared_input:
             config["shared_input"] = True
+        if self.inner_trainable is not None:
+            config["inner_trainable"] = list(self.inner_trainable)
         return config
 
     @classmethod
@@ -439,6 +565,42 @@ class _Holder:
         self.layer = layer
 
 
+def _set_trainable(layer, value):
+    """Sets `layer.trainable` and hands it down to the layers inside, even
+    where the flag is already `value` (where `layer.trainable = value`
+    does nothing)."""
+    keras.layers.Layer.trainable.fset(layer, value)
+
+
+def trainable_flags(layer):
+    """The `trainable` flags of `layer` and of the layers inside it, outer
+    layers first: what its config does not carry (only its own)."""
+    return [inner.trainable for inner in layer._flatten_layers()]
+
+
+def set_trainable_flags(layer, flags):
+    """Gives the built `layer` the `trainable_flags` of a copy of it."""
+    inner = layer._flatten_layers()
+    if len(inner) != len(flags):
+        raise ValueError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) holds "
+            f"{len(inner)} layers once built, where the layer it was made "
+            f"from held {len(flags)}, so their `trainable` flags cannot be "
+            "carried over. Fuse the stock model once it is built.")
+    # Outer layers come first, so that each flag set on a layer (and
+    # handed down to the layers inside it) is then corrected by theirs.
+    for inner_layer, flag in zip(inner, flags):
+        _set_trainable(inner_layer, flag)
+
+
+def _trainable_flags(layer):
+    """The `trainable` flags of the layers inside `layer` (outer layers
+    first), or None where all are the layer's own flag (which its config
+    holds)."""
+    flags = trainable_flags(layer)[1:]
+    return None if all(f == layer.trainable for f in flags) else flags
+
+
 def _random_states(layer):
     """The variables of `layer` that are no weights: the states of the
     seed generators of the layer and of the layers inside it."""
@@ -450,7 +612,8 @@ def _total(losses):
     """One model's added losses, summed (zero where it added none)."""
     if not losses:
         return ops.zeros((), "float32")
-    return ops.sum(ops.stack([ops.cast(x, "float32") for x in losses]))
+    # Each summed, as Keras sums every added loss, whatever its shape.
+    return sum(ops.sum(ops.cast(x, "float32")) for x in losses)
 
 
 def _stacked_output(pieces, axis):
@@ -461,3 +624,29 @@ def _stacked_output(pieces, axis):
     if all(m is not None for m in masks):
         set_keras_mask(output, stack_models(masks, axis))
     return output
+
+
+class _ModelScope(keras.StatelessScope):
+    """The stateless scope of one model's call: the layer's variables read
+    the model's values, and what it assigns stays in the scope.
+
+    A trainable weight the call assigns (a spectral normalization's kernel)
+    is differentiated as Keras differentiates a variable: reads after the
+    assignment return the new value, and the gradient of the loss with
+    respect to them is the weight's, not the gradient through the
+    computation of the new value (which Keras never takes)."""
+
+    def __init__(self, mapping, trainable):
+        super().__init__(state_mapping=mapping, collect_losses=True)
+        self._trainable = trainable
+        self.assigned = []  # the variables the call assigned, in order
+
+    def add_update(self, update):
+        variable, value = update
+        if all(v is not variable for v in self.assigned):
+            self.assigned.append(variable)
+        if id(variable) in self._trainable:
+            read = self.state_mapping[id(variable)]
+            value = ops.stop_gradient(ops.cast(value, read.dtype)) + (
+                read - ops.stop_gradient(read))
+        super().add_update((variable, value))

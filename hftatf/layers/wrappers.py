@@ -5,7 +5,9 @@ They wrap fused layers: `from_stock` fuses the stock wrapper's inner layers
 through the registry, so any layer with a fused form can be time-distributed
 (or spectrally normalized, given a kernel) and any fused recurrent layer
 made bidirectional. Their weights are those of the inner fused layers (and
-the wrapper's own), in the stock wrapper's `get_weights()` order.
+the wrapper's own), in the stock wrapper's `get_weights()` order. A stock
+wrapper of a layer that runs once per model (a layer of your own) runs once
+per model as a whole (`hftatf.layers.FusedPerModel`).
 """
 
 import keras
@@ -19,6 +21,16 @@ from hftatf.validation import check_model_axis, check_num_models
 
 __all__ = ["FusedBidirectional", "FusedSpectralNormalization",
            "FusedTimeDistributed"]
+
+
+def _per_model_inner(*inner):
+    """Why a stock wrapper of the `inner` layers has no fused form (one of
+    them runs once per model, so the whole wrapper does), or None."""
+    for layer in inner:
+        if registry.runs_per_model(layer):
+            return (f"it wraps layer '{layer.name}' "
+                    f"({type(layer).__name__}), which runs once per model")
+    return None
 
 
 def _check_inner(wrapper, role, layer, num_models):
@@ -64,6 +76,12 @@ class FusedTimeDistributed(ModelActivityRegularization,
         self.supports_masking = True
         self.model_activity_regularizer = keras.regularizers.get(
             activity_regularizer)
+
+    @classmethod
+    def refusal(cls, layer):
+        """Why the stock `TimeDistributed` `layer` has no fused form, or
+        None (it then runs once per model)."""
+        return _per_model_inner(layer.layer)
 
     @classmethod
     def from_stock(cls, layer, num_models):
@@ -192,6 +210,12 @@ class FusedBidirectional(ModelActivityRegularization,
             activity_regularizer)
 
     @classmethod
+    def refusal(cls, layer):
+        """Why the stock `Bidirectional` `layer` has no fused form, or None
+        (it then runs once per model)."""
+        return _per_model_inner(layer.forward_layer, layer.backward_layer)
+
+    @classmethod
     def from_stock(cls, layer, num_models):
         """Fuses a stock `Bidirectional`, its forward and backward layers by
         the registry (weights not copied)."""
@@ -298,6 +322,12 @@ class FusedSpectralNormalization(ModelActivityRegularization,
                 "`power_iterations` should be greater than zero. Received: "
                 f"`power_iterations={power_iterations}`")
         self.power_iterations = power_iterations
+
+    @classmethod
+    def refusal(cls, layer):
+        """Why the stock `SpectralNormalization` `layer` has no fused form,
+        or None (it then runs once per model)."""
+        return _per_model_inner(layer.layer)
 
     @classmethod
     def from_stock(cls, layer, num_models, **kwargs):

@@ -18,7 +18,7 @@ import numpy as np
 
 import hftatf
 from hftatf import optimizers as fused_optimizers
-from hftatf.fuse import _architecture, _weighted_layers
+from hftatf.fuse import _architecture, weighted_layers
 
 # Compile arguments that the array decides for itself: the optimizer is
 # built per model, and a stock model's `jit_compile` is already resolved
@@ -187,8 +187,8 @@ def reload(array, models, optimizers):
         raise ValueError(
             f"Array '{array.name}' holds {array.num_models} models; received "
             f"{len(models)} to load.")
-    per_model = [_weighted_layers(model) for model in models]
-    for position, (_, layer) in enumerate(_weighted_layers(array)):
+    per_model = [weighted_layers(model) for model in models]
+    for position, (_, layer) in enumerate(weighted_layers(array)):
         weights = [layers[position][1].get_weights() for layers in per_model]
         layer.set_weights([np.stack(w) for w in zip(*weights)])
     fresh = combine_optimizers(optimizers)
@@ -241,13 +241,13 @@ def copy_model(source, index, target, slot):
 def stacked_weights(array):
     """Every weighted layer's stacked weights, in layer order: read once,
     sliced for each model by `set_model`."""
-    return [layer.get_weights() for _, layer in _weighted_layers(array)]
+    return [layer.get_weights() for _, layer in weighted_layers(array)]
 
 
 def set_model(model, stacked, index):
     """Sets the plain model `model` (the architecture of the array that
     `stacked` was read from) to that array's model `index`."""
-    layers = _weighted_layers(model)
+    layers = weighted_layers(model)
     if len(layers) != len(stacked):
         raise ValueError(
             f"Model '{model.name}' has {len(layers)} layers with weights; "

@@ -11,6 +11,7 @@ from keras import layers, ops
 from testing import assert_close, trains_like_stock
 
 import hftatf
+from benchmarks.per_model import TokenAndPositionEmbedding, TransformerBlock
 from hftatf.layers import BroadcastToModels, FusedPerModel, registry
 from hftatf.layers import per_model as per_model_module
 
@@ -18,55 +19,8 @@ NUM_MODELS = 3
 
 
 # -- Layers of one's own, as keras.io examples write them ---------------------
-
-
-@keras.saving.register_keras_serializable(package="test_per_model")
-class TransformerBlock(layers.Layer):
-    """keras.io's text classification Transformer block."""
-
-    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
-        super().__init__(**kwargs)
-        self.embed_dim, self.num_heads = embed_dim, num_heads
-        self.ff_dim, self.rate = ff_dim, rate
-        self.att = layers.MultiHeadAttention(num_heads=num_heads,
-                                             key_dim=embed_dim)
-        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"),
-                                     layers.Dense(embed_dim)])
-        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
-        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
-        self.dropout1 = layers.Dropout(rate)
-        self.dropout2 = layers.Dropout(rate)
-
-    def call(self, inputs, training=None):
-        attention = self.dropout1(self.att(inputs, inputs), training=training)
-        out1 = self.layernorm1(inputs + attention)
-        ffn = self.dropout2(self.ffn(out1), training=training)
-        return self.layernorm2(out1 + ffn)
-
-    def get_config(self):
-        return {**super().get_config(), "embed_dim": self.embed_dim,
-                "num_heads": self.num_heads, "ff_dim": self.ff_dim,
-                "rate": self.rate}
-
-
-@keras.saving.register_keras_serializable(package="test_per_model")
-class TokenAndPositionEmbedding(layers.Layer):
-    """keras.io's token and position embedding."""
-
-    def __init__(self, maxlen, vocab_size, embed_dim, **kwargs):
-        super().__init__(**kwargs)
-        self.maxlen, self.vocab_size = maxlen, vocab_size
-        self.embed_dim = embed_dim
-        self.token_emb = layers.Embedding(vocab_size, embed_dim)
-        self.pos_emb = layers.Embedding(maxlen, embed_dim)
-
-    def call(self, x):
-        positions = self.pos_emb(ops.arange(0, ops.shape(x)[-1]))
-        return self.token_emb(x) + positions
-
-    def get_config(self):
-        return {**super().get_config(), "maxlen": self.maxlen,
-                "vocab_size": self.vocab_size, "embed_dim": self.embed_dim}
+# (keras.io's text classifier's, from the benchmark: no `get_config` of their
+# own, the config Keras makes from their constructors' arguments.)
 
 
 def text_classifier(rate=0.0):
@@ -458,3 +412,284 @@ def test_fused_per_model_refuses_a_wrong_model_axis():
     assert type(fused) is FusedPerModel
     with pytest.raises(ValueError, match="num_models=3 on axis 1"):
         fused(np.zeros((2, 4, 5, 1), "float32"))
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class ConvBlock(layers.Layer):
+    """A residual convolution block of one's own."""
+
+    def __init__(self, spectral=False, **kwargs):
+        super().__init__(**kwargs)
+        self.spectral = spectral
+        conv = layers.Conv1D(2, 3, padding="same")
+        self.conv = layers.SpectralNormalization(conv) if spectral else conv
+
+    def call(self, x):
+        return x + self.conv(x)
+
+    def get_config(self):
+        return {**super().get_config(), "spectral": self.spectral}
+
+
+def test_convolutions_inside_keep_xla_off_on_a_cpu():
+    # As for the array's own convolutions: TensorFlow's kernels on a CPU.
+    inputs = keras.Input((8, 2))
+    model = keras.Model(inputs, layers.Flatten()(ConvBlock()(inputs)))
+    array = hftatf.fuse(model, 2)
+    array.compile("sgd", loss="mse", jit_compile="auto")
+    assert array.jit_compile is False
+
+
+def test_spectral_normalization_inside_trains_in_one_pass():
+    rng = np.random.default_rng(11)
+    inputs = keras.Input((8, 2))
+    model = keras.Model(inputs, layers.Flatten()(
+        ConvBlock(spectral=True, name="block")(inputs)))
+    array = hftatf.fuse(model, 2)
+    with pytest.raises(ValueError, match="'block'.*assigns trainable"):
+        array.compile("sgd", loss="mse", models_per_pass=1)
+    x = rng.standard_normal((4, 8, 2)).astype("float32")
+    trains_like_stock(model, x, rng.standard_normal((4, 16)).astype(
+        "float32"), 2)
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class FrozenParts(layers.Layer):
+    """Layers inside it that a script freezes after building the model."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = layers.BatchNormalization()
+        self.first = layers.Dense(3)
+        self.second = layers.Dense(3)
+
+    def call(self, x, training=None):
+        return self.second(self.first(self.norm(x, training=training)))
+
+
+def _trains_like_the_original(model, x, y, num_models=2):
+    """The array of `model` trains as `model` itself does from each
+    model's weights (the oracle is the original, whose `trainable` flags
+    no config round trip has touched)."""
+    array = hftatf.fuse(model, num_models)
+    start = array.unfuse()
+    array.compile(hftatf.optimizers.SGD(0.1), loss="mse")
+    array.fit(x, y, batch_size=len(x) // 2, shuffle=False, verbose=0)
+    trained = array.unfuse()
+    for b in range(num_models):
+        model.set_weights(start[b].get_weights())
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=len(x) // 2, shuffle=False, verbose=0)
+        for got, want in zip(trained[b].get_weights(), model.get_weights()):
+            assert_close(got, want, err_msg=f"model {b}")
+    return array, start
+
+
+@pytest.mark.parametrize("frozen", ["layer", "inside"])
+def test_layers_frozen_inside_a_layer_stay_frozen(frozen, tmp_path):
+    rng = np.random.default_rng(12)
+    inputs = keras.Input((4,))
+    parts = FrozenParts(name="parts")
+    model = keras.Model(inputs, layers.Dense(2)(parts(
+        layers.Dense(4)(inputs))))
+    if frozen == "layer":
+        parts.trainable = False  # its normalization computes in inference
+    else:
+        parts.first.trainable = False
+    x = (3.0 * rng.standard_normal((8, 4)) + 1.0).astype("float32")
+    y = rng.standard_normal((8, 2)).astype("float32")
+    array, start = _trains_like_the_original(model, x, y)
+    flags = [inner.trainable for inner in parts._flatten_layers()]
+    for stock in start:
+        assert [inner.trainable for inner in stock.get_layer(
+            "parts")._flatten_layers()] == flags
+    path = str(tmp_path / "array.keras")
+    array.save(path)
+    loaded = keras.models.load_model(path)
+    assert [inner.trainable for inner in loaded.get_layer(
+        "parts").layer._flatten_layers()] == flags
+    assert len(loaded.trainable_weights) == len(array.trainable_weights)
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class UnseededNoise(layers.Layer):
+    """Draws from `keras.random` without a seed: Keras's global seed
+    generator."""
+
+    def call(self, x, training=None):
+        if training:
+            return x + keras.random.normal(ops.shape(x))
+        return x
+
+
+def test_unseeded_random_calls_draw_per_model_and_per_step():
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, UnseededNoise()(layers.Dense(3)(inputs)))
+    same = hftatf.fuse_models([model, model])
+    x = np.ones((2, 3), "float32")
+    step = keras.tree.map_structure(ops.convert_to_numpy, [
+        same(x, training=True) for _ in range(2)])
+    import tensorflow as tf
+
+    traced = tf.function(lambda x: same(x, training=True))
+    step += [traced(x).numpy() for _ in range(2)]
+    for first, second in zip(step, step[1:]):
+        assert np.abs(first[:, 0] - first[:, 1]).min() > 1e-4
+        assert np.abs(first - second).min() > 1e-4
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class MinimalCell(layers.Layer):
+    """keras.io's minimal RNN cell."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = self.state_size = units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units))
+        self.recurrent_kernel = self.add_weight(
+            shape=(self.units, self.units))
+
+    def call(self, inputs, states):
+        output = ops.tanh(ops.matmul(inputs, self.kernel)
+                          + ops.matmul(states[0], self.recurrent_kernel))
+        return output, [output]
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@pytest.mark.parametrize("wrapper", [
+    lambda: layers.TimeDistributed(TwiceDense(3)),
+    lambda: layers.Bidirectional(layers.RNN(MinimalCell(3),
+                                            return_sequences=True)),
+    lambda: layers.SpectralNormalization(TwiceDense(3)),
+], ids=["time_distributed", "bidirectional", "spectral_normalization"])
+def test_stock_wrappers_of_a_layer_run_per_model_run_per_model(wrapper):
+    rng = np.random.default_rng(13)
+    inputs = keras.Input((5, 4))
+    layer = wrapper()
+    model = keras.Model(inputs, layers.Flatten()(layer(inputs)))
+    assert registry.runs_per_model(layer)
+    x = rng.standard_normal((4, 5, 4)).astype("float32")
+    y = rng.standard_normal((4, model.output_shape[-1])).astype("float32")
+    trains_like_stock(model, x, y)
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class ShapedLosses(layers.Layer):
+    """Adds a scalar loss and a loss per feature."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def call(self, x):
+        y = self.dense(x)
+        self.add_loss(0.1 * ops.mean(ops.square(y)))
+        self.add_loss(0.01 * ops.mean(ops.abs(y), axis=0))
+        return y
+
+
+def test_added_losses_of_any_shape_are_summed_as_keras_sums_them():
+    rng = np.random.default_rng(14)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, ShapedLosses()(inputs))
+    x = rng.standard_normal((6, 4)).astype("float32")
+    trains_like_stock(model, x, rng.standard_normal((6, 3)).astype(
+        "float32"))
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class CappedDense(layers.Layer):
+    """Assigns its own trainable kernel in training, as a weight
+    normalization of one's own does."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.kernel = self.add_weight(shape=(input_shape[-1], self.units))
+
+    def call(self, x, training=None):
+        if training:
+            self.kernel.assign(0.9 * self.kernel / ops.maximum(
+                ops.max(ops.abs(self.kernel)), 1.0))
+        return ops.matmul(x, self.kernel)
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+def test_a_call_that_assigns_trainable_weights_trains_in_one_pass():
+    rng = np.random.default_rng(15)
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, layers.Dense(2)(CappedDense(
+        3, name="capped")(inputs)))
+    array = hftatf.fuse(model, 3)
+    with pytest.raises(ValueError, match="'capped'.*assigns trainable"):
+        array.compile("sgd", loss="mse", models_per_pass=1)
+    array.compile("sgd", loss="mse", models_per_pass="auto")
+    x = rng.standard_normal((8, 4)).astype("float32")
+    y = rng.standard_normal((8, 2)).astype("float32")
+    array.fit(x, y, batch_size=4, verbose=0)
+    assert array.models_per_pass == 3
+    trains_like_stock(model, x, y)
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class Offset(layers.Layer):
+    """Takes a constant as a call argument."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(3)
+
+    def call(self, x, offset):
+        return self.dense(x) + offset
+
+
+def test_constants_in_a_call_are_shared_by_all_models(tmp_path):
+    rng = np.random.default_rng(16)
+    inputs = keras.Input((4,))
+    offset = np.array([1.0, 2.0, 3.0], "float32")
+    model = keras.Model(inputs, Offset(name="offset")(inputs, offset=offset))
+    array = hftatf.fuse(model, NUM_MODELS)
+    x = rng.standard_normal((5, 4)).astype("float32")
+    assert_unfused_models_predict_alike(array, x)
+    path = str(tmp_path / "array.keras")
+    array.save(path)
+    assert_close(keras.models.load_model(path).predict(x, verbose=0),
+                 array.predict(x, verbose=0))
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class Nameless(layers.Layer):
+    """Its config holds its constructor's arguments and not its name, as
+    many scripts write it."""
+
+    def __init__(self, units=3, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.dense = layers.Dense(units)
+
+    def call(self, x):
+        return 2.0 * self.dense(x)
+
+    def get_config(self):
+        return {"units": self.units}
+
+
+def test_layers_whose_config_lacks_their_name_unfuse_and_export(tmp_path):
+    rng = np.random.default_rng(17)
+    inputs = keras.Input((4,))
+    model = keras.Sequential([inputs, Nameless(name="first")])
+    outer = keras.Model(inputs, Nameless(name="second")(model(inputs)))
+    array = hftatf.fuse(outer, 2)
+    x = rng.standard_normal((3, 4)).astype("float32")
+    assert_unfused_models_predict_alike(array, x)
+    array.export_models(str(tmp_path / "models"))
+    exported = hftatf.from_exported(str(tmp_path / "models"))
+    assert_close(exported.predict(x, verbose=0), array.predict(x, verbose=0))
