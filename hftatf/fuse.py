@@ -5,7 +5,6 @@ of `ms`, and `fuse_models(unfuse(a))` the weights of `a`.
 """
 
 import collections
-import inspect
 import os
 
 import keras
@@ -502,35 +501,26 @@ def _batch_axis_refusal(operation, shape):
 
 
 def _source(model):
-    """`model` serialized, for `FusedModel.stock_model`, with each layer's
-    config holding the layer's name: a layer of your own whose `get_config`
-    leaves the name out would come back under another, which its weights
-    could not be matched by."""
+    """`model` serialized, for `FusedModel.stock_model`, with the name of
+    each layer of a Sequential model written next to its config (as a
+    functional model's config has it): where a layer's own config leaves it
+    out, the stock model gives the layer its name back from there."""
     config = keras.saving.serialize_keras_object(model)
-    _name_layer_configs(model, config)
+    _name_entries(model, config)
     return config
 
 
-def _name_layer_configs(model, config):
+def _name_entries(model, config):
     entries = config["config"]["layers"]
     if isinstance(model, keras.Sequential):
-        # With its input layer, as `Sequential.get_config` lists them.
+        # With the input layer, as `Sequential.get_config` lists them.
         layers = super(keras.Sequential, model).layers
     else:
-        by_name = {layer.name: layer for layer in model.operations}
-        layers = [by_name[entry["name"]] for entry in entries]
+        layers = model.operations
     for layer, entry in zip(layers, entries):
+        entry.setdefault("name", layer.name)
         if is_graph_model(layer):
-            _name_layer_configs(layer, entry)
-        elif "name" not in entry["config"] and _takes_name(type(layer)):
-            entry["config"]["name"] = layer.name
-
-
-def _takes_name(layer_class):
-    """Whether `layer_class`'s constructor takes a `name` argument."""
-    parameters = inspect.signature(layer_class.__init__).parameters.values()
-    return any(p.name == "name" or p.kind is p.VAR_KEYWORD
-               for p in parameters)
+            _name_entries(layer, entry)
 
 
 def is_graph_model(layer):

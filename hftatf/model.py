@@ -338,6 +338,32 @@ def _sum_gradients(parts):
     return ops.sum(ops.stack(parts), axis=0) if parts else None
 
 
+def _restore_layer_names(model, config):
+    """Gives the layers of the graph `model`, deserialized from `config`,
+    the names the config lists them under (nested models too): a layer of
+    your own whose config leaves its name out, or whose constructor does
+    not hand it to Keras, comes back under another name, which its weights
+    could not be matched by (`hftatf.fuse.weighted_layers`)."""
+    from hftatf.fuse import is_graph_model
+
+    entries = config["config"]["layers"]
+    if isinstance(model, keras.Sequential):
+        # With the input layer, as `Sequential.get_config` lists them.
+        layers = super(keras.Sequential, model).layers
+    else:
+        # In the order `Functional.get_config` lists them.
+        layers = model.operations
+    if [type(layer).__name__ for layer in layers] != [
+            entry["class_name"] for entry in entries]:
+        return
+    for layer, entry in zip(layers, entries):
+        name = entry.get("name", entry["config"].get("name"))
+        if name is not None and layer.name != name:
+            layer.name = name
+        if is_graph_model(layer):
+            _restore_layer_names(layer, entry)
+
+
 def _set_inner_trainable_flags(model, flags):
     """Gives the layers of the stock `model` at the paths of `flags`
     (`FusedModel._inner_trainable_flags`) their `trainable` flags."""
@@ -463,8 +489,10 @@ class FusedModel(keras.Model):
                 f"Array '{self.name}' was not made by hftatf.fuse or "
                 "hftatf.fuse_models, so it has no stock architecture.")
         with self._stock_classes():
+            # Each `source_config` is a new copy: deserializing consumes it.
             model = keras.saving.deserialize_keras_object(
                 self.source_config, safe_mode=safe_mode)
+        _restore_layer_names(model, self.source_config)
         _set_inner_trainable_flags(model, self._inner_trainable_flags())
         return model
 

@@ -682,10 +682,26 @@ class Nameless(layers.Layer):
         return {"units": self.units}
 
 
-def test_layers_whose_config_lacks_their_name_unfuse_and_export(tmp_path):
+@keras.saving.register_keras_serializable(package="test_per_model")
+class Renamed(layers.Layer):
+    """Hands its keyword arguments, its name among them, to the layer
+    inside it, as keras.io's PixelCNN's `PixelConvLayer` does: a copy
+    from its config has a name of Keras's making."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.dense = layers.Dense(**kwargs)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_layers_whose_config_does_not_name_them_unfuse_and_export(
+        tmp_path):
     rng = np.random.default_rng(17)
     inputs = keras.Input((4,))
-    model = keras.Sequential([inputs, Nameless(name="first")])
+    model = keras.Sequential([inputs, Nameless(name="first"),
+                              Renamed(units=4)])
     outer = keras.Model(inputs, Nameless(name="second")(model(inputs)))
     array = hftatf.fuse(outer, 2)
     x = rng.standard_normal((3, 4)).astype("float32")
