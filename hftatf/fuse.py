@@ -158,6 +158,44 @@ def _check_fusable(model):
             f"Model '{model.name}' has no defined input yet. Give it an "
             "input shape (keras.Input, or call model.build(shape)) before "
             "fusing it.") from None
+    _check_no_weights_shared_into_per_model_layers(model)
+
+
+def _graph_layers(model):
+    """The layers of the graph `model` and of the graph models in it."""
+    found = []
+    for layer in model.layers:
+        found.append(layer)
+        if is_graph_model(layer):
+            found.extend(_graph_layers(layer))
+    return found
+
+
+def _check_no_weights_shared_into_per_model_layers(model):
+    """Refuses a layer run once per model that shares a weight with
+    another layer of the model (a head tied to the model's embedding): its
+    copies, made from its config, would each hold weights of their own,
+    and the models would train them untied."""
+    owners = {}
+    for layer in _graph_layers(model):
+        if is_graph_model(layer):
+            continue
+        for weight in layer.weights:
+            owners.setdefault(id(weight), {})[id(layer)] = layer
+    for found in owners.values():
+        layers = list(found.values())
+        if len(layers) > 1 and any(registry.runs_per_model(layer)
+                                   for layer in layers):
+            names = " and ".join(
+                f"'{layer.name}' ({type(layer).__name__})"
+                for layer in layers)
+            raise ValueError(
+                f"Layers {names} of model '{model.name}' share a weight, "
+                "and hftatf runs at least one of them once per model, from "
+                "copies made from its config, which would not share it: "
+                "the models would train it untied. Tie the weights inside "
+                "one layer of your own (it then runs per model as a "
+                "whole), or give the layers that share it fused forms.")
 
 
 def _input_structure(model):

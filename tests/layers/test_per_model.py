@@ -709,3 +709,30 @@ def test_layers_whose_config_does_not_name_them_unfuse_and_export(
     array.export_models(str(tmp_path / "models"))
     exported = hftatf.from_exported(str(tmp_path / "models"))
     assert_close(exported.predict(x, verbose=0), array.predict(x, verbose=0))
+
+
+@keras.saving.register_keras_serializable(package="test_per_model")
+class TiedOutput(layers.Layer):
+    """Projects on the model's token embeddings (tied weights)."""
+
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return ops.matmul(x, ops.transpose(self.embedding.embeddings))
+
+
+def test_a_weight_shared_into_a_layer_run_per_model_is_refused():
+    # Its copies would each hold the embedding of their own: untied.
+    ids = keras.Input((5,), dtype="int32")
+    embedding = layers.Embedding(10, 4, name="tokens")
+    hidden = layers.Dense(4)(embedding(ids))
+    model = keras.Model(ids, TiedOutput(embedding, name="head")(hidden))
+    with pytest.raises(ValueError, match="'tokens'.*'head'.*share a weight"):
+        hftatf.fuse(model, 2)
+    # A layer shared by a nested model and the outer one is no tie.
+    inner = keras.Sequential([keras.Input((4,)), TwiceDense(4, name="twice")])
+    inputs = keras.Input((4,))
+    shared = keras.Model(inputs, inner.layers[0](inner(inputs)))
+    hftatf.fuse(shared, 2)
