@@ -148,9 +148,13 @@ def _check_fusable(model):
         raise ValueError(
             f"hftatf.fuse needs a functional or Sequential model; model "
             f"'{model.name}' is a subclassed {type(model).__name__}, whose "
-            "computation Keras cannot inspect. Write it with the fused "
-            "layers of hftatf.layers (and hftatf.FusedModel), or rebuild it "
-            "with the functional API.")
+            "inputs (shapes and dtypes) Keras does not record. Call it in a "
+            "functional model, whose inputs say them: `inputs = "
+            "keras.Input(shape, dtype=...)`, then `hftatf.fuse(keras.Model("
+            "inputs, model(inputs)), num_models)`; the array runs it once "
+            "per model (hftatf.layers.FusedPerModel), from copies made from "
+            "its config. Or rebuild it with the functional API, so that "
+            "each of its layers fuses.")
     try:
         _input_structure(model)
     except (AttributeError, ValueError, IndexError, TypeError):

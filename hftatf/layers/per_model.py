@@ -117,9 +117,11 @@ def copy_layer(layer):
         raise ValueError(
             f"hftatf runs layer '{layer.name}' ({type(layer).__name__}) once "
             "per model, from copies of it made from its config, and could "
-            f"not copy it: {error}. Give the layer a `get_config` that "
-            "returns its constructor's arguments (and a `from_config`, "
-            "where they need deserializing).") from None
+            f"not copy it: {error}. Give the layer a constructor that "
+            "takes Keras's keyword arguments (`**kwargs`, handed to "
+            "`super().__init__`) and a `get_config` that returns its "
+            "constructor's arguments (and a `from_config`, where they need "
+            "deserializing), as saving it with Keras needs.") from None
 
 
 def split_arguments(args, kwargs):

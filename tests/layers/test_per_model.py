@@ -736,3 +736,18 @@ def test_a_weight_shared_into_a_layer_run_per_model_is_refused():
     inputs = keras.Input((4,))
     shared = keras.Model(inputs, inner.layers[0](inner(inputs)))
     hftatf.fuse(shared, 2)
+
+
+def test_a_layer_that_cannot_be_copied_from_its_config_is_named():
+    class Rigid(layers.Layer):
+        def __init__(self):  # takes no `name`, `trainable`, `dtype`
+            super().__init__(name="rigid")
+            self.dense = layers.Dense(2)
+
+        def call(self, x):
+            return self.dense(x)
+
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, Rigid()(inputs))
+    with pytest.raises(ValueError, match="(?s)'rigid'.*could not copy.*kwargs"):
+        hftatf.fuse(model, 2)
