@@ -165,25 +165,13 @@ def _check_fusable(model):
     _check_no_weights_shared_into_per_model_layers(model)
 
 
-def _graph_layers(model):
-    """The layers of the graph `model` and of the graph models in it."""
-    found = []
-    for layer in model.layers:
-        found.append(layer)
-        if is_graph_model(layer):
-            found.extend(_graph_layers(layer))
-    return found
-
-
 def _check_no_weights_shared_into_per_model_layers(model):
     """Refuses a layer run once per model that shares a weight with
     another layer of the model (a head tied to the model's embedding): its
     copies, made from its config, would each hold weights of their own,
     and the models would train them untied."""
     owners = {}
-    for layer in _graph_layers(model):
-        if is_graph_model(layer):
-            continue
+    for _, layer in weighted_layers(model):
         for weight in layer.weights:
             owners.setdefault(id(weight), {})[id(layer)] = layer
     for found in owners.values():
@@ -553,16 +541,20 @@ def _source(model):
 
 
 def _name_entries(model, config):
-    entries = config["config"]["layers"]
-    if isinstance(model, keras.Sequential):
-        # With the input layer, as `Sequential.get_config` lists them.
-        layers = super(keras.Sequential, model).layers
-    else:
-        layers = model.operations
-    for layer, entry in zip(layers, entries):
+    for layer, entry in zip(config_layers(model),
+                            config["config"]["layers"]):
         entry.setdefault("name", layer.name)
         if is_graph_model(layer):
             _name_entries(layer, entry)
+
+
+def config_layers(model):
+    """The layers of the graph `model` in the order its config lists
+    them."""
+    if isinstance(model, keras.Sequential):
+        # With the input layer, as `Sequential.get_config` lists them.
+        return super(keras.Sequential, model).layers
+    return model.operations  # as `Functional.get_config` lists them
 
 
 def is_graph_model(layer):

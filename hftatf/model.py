@@ -344,15 +344,10 @@ def _restore_layer_names(model, config):
     your own whose config leaves its name out, or whose constructor does
     not hand it to Keras, comes back under another name, which its weights
     could not be matched by (`hftatf.fuse.weighted_layers`)."""
-    from hftatf.fuse import is_graph_model
+    from hftatf.fuse import config_layers, is_graph_model
 
     entries = config["config"]["layers"]
-    if isinstance(model, keras.Sequential):
-        # With the input layer, as `Sequential.get_config` lists them.
-        layers = super(keras.Sequential, model).layers
-    else:
-        # In the order `Functional.get_config` lists them.
-        layers = model.operations
+    layers = config_layers(model)
     if [type(layer).__name__ for layer in layers] != [
             entry["class_name"] for entry in entries]:
         return

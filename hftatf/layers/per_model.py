@@ -136,18 +136,13 @@ def split_arguments(args, kwargs):
     symbolic = any(isinstance(value, keras.KerasTensor)
                    for value in keras.tree.flatten((args, kwargs)))
 
-    def is_per_model(value):
-        if symbolic:
-            return isinstance(value, keras.KerasTensor)
-        return ops.is_tensor(value) or isinstance(value, np.ndarray)
-
     def mark(value):
-        if is_per_model(value):
+        concrete = ops.is_tensor(value) or isinstance(value, np.ndarray)
+        if isinstance(value, keras.KerasTensor) or (
+                concrete and not symbolic):
             tensors.append(value)
             return {_TENSOR: len(tensors) - 1}
-        if ops.is_tensor(value) or isinstance(value, np.ndarray):
-            return _Constant(value)
-        return value
+        return _Constant(value) if concrete else value
 
     arguments = {"args": keras.tree.map_structure(mark, list(args)),
                  "kwargs": keras.tree.map_structure(mark, dict(kwargs))}
