@@ -25,7 +25,7 @@ from keras.src.utils import tracking
 from hftatf import optimizers as fused_optimizers
 from hftatf import passes, seeds
 from hftatf.api import hftatf_export
-from hftatf.layers import convolutional, per_model
+from hftatf.layers import convolutional, objects, per_model
 from hftatf.layers.base import (
     broadcast_to_models,
     has_accelerator,
@@ -477,16 +477,18 @@ class FusedModel(keras.Model):
 
     def stock_model(self, safe_mode=True):
         """A new stock model of the architecture this array was fused from
-        (fresh weights). Classes of layers the array runs per model are
-        found even where they are not registered with Keras."""
+        (fresh weights). The functions and classes of a script's own that
+        its layers hold are found even where they are not registered with
+        Keras (`hftatf.layers.objects`)."""
         if self._source_json is None:
             raise ValueError(
                 f"Array '{self.name}' was not made by hftatf.fuse or "
                 "hftatf.fuse_models, so it has no stock architecture.")
-        with self._stock_classes():
-            # Each `source_config` is a new copy: deserializing consumes it.
+        # Each `source_config` is a new copy: deserializing consumes it.
+        source = self.source_config
+        with self._stock_classes(source):
             model = keras.saving.deserialize_keras_object(
-                self.source_config, safe_mode=safe_mode)
+                source, safe_mode=safe_mode)
         _restore_layer_names(model, self.source_config)
         _set_inner_trainable_flags(model, self._inner_trainable_flags())
         return model
@@ -505,11 +507,15 @@ class FusedModel(keras.Model):
                     found[path] = flags
         return found
 
-    def _stock_classes(self):
-        """A scope in which the classes of the layers this array runs per
-        model deserialize (`hftatf.layers.FusedPerModel`)."""
-        return keras.saving.CustomObjectScope(
-            per_model.classes_inside(self._flatten_layers()))
+    def _stock_classes(self, config):
+        """A scope in which the functions and classes of a script's own
+        that this array's layers hold deserialize from `config` (a
+        serialized model, whose Python lambdas it rewrites to be found
+        too: `hftatf.layers.objects`)."""
+        layers = list(self._flatten_layers())
+        return keras.saving.CustomObjectScope({
+            **objects.live_objects(layers),
+            **objects.live_lambdas(config, layers)})
 
     # -- calling ------------------------------------------------------------
 
@@ -1481,9 +1487,9 @@ class FusedModel(keras.Model):
     def _rebuilt(self, count):
         """A new array of this architecture with `count` models (fresh
         weights)."""
-        with self._stock_classes():
-            return type(self).from_config(_with_num_models(
-                self.get_config(), self.num_models, count))
+        config = _with_num_models(self.get_config(), self.num_models, count)
+        with self._stock_classes(config):
+            return type(self).from_config(config)
 
     def select(self, indices):
         """Returns a smaller array holding only the models `indices`.

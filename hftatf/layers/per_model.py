@@ -32,7 +32,7 @@ from keras.src.layers.convolutional.base_separable_conv import (
 from tensorflow.python.trackable.resource import CapturableResource
 
 from hftatf.api import hftatf_export
-from hftatf.layers import registry
+from hftatf.layers import objects, registry
 from hftatf.layers.base import FusedLayer, Modelwise, model_pieces, stack_models
 from hftatf.validation import check_model_axis
 
@@ -92,14 +92,6 @@ def layers_inside(layers):
             for inner in layer.layer._flatten_layers(include_self=True)]
 
 
-def classes_inside(layers):
-    """`{name: class}` of `layers_inside(layers)`: what deserializing their
-    configs needs where the classes are not registered with Keras (a layer
-    class of a script's own)."""
-    return {type(inner).__name__: type(inner)
-            for inner in layers_inside(layers)}
-
-
 def is_stock_convolution(layer):
     """Whether `layer` is a stock Keras convolution of any family."""
     return isinstance(layer, (BaseConv, BaseConvTranspose,
@@ -109,9 +101,7 @@ def is_stock_convolution(layer):
 def copy_layer(layer):
     """A new, unbuilt copy of `layer` from its config."""
     try:
-        with keras.saving.CustomObjectScope({
-                type(inner).__name__: type(inner)
-                for inner in layer._flatten_layers(include_self=True)}):
+        with objects.scope([layer]):
             return type(layer).from_config(layer.get_config())
     except (NotImplementedError, TypeError, ValueError) as error:
         raise ValueError(

@@ -132,7 +132,12 @@ def fuse_layer(layer, num_models, shared_input=False, models_first=False):
         kwargs["shared_input"] = True
     if models_first:
         kwargs["models_first"] = True
-    return fused_form(layer).from_stock(layer, num_models, **kwargs)
+    from hftatf.layers import objects
+
+    # The fused form is built from the stock layer's config: it finds the
+    # functions and classes of a script's own that the layer holds.
+    with objects.scope([layer]):
+        return fused_form(layer).from_stock(layer, num_models, **kwargs)
 
 
 def supported_layers():
