@@ -20,7 +20,7 @@ from hftatf.layers.recurrent import FusedRecurrent
 from hftatf.validation import check_model_axis, check_num_models
 
 __all__ = ["FusedBidirectional", "FusedSpectralNormalization",
-           "FusedTimeDistributed"]
+           "FusedTimeDistributed", "couples_batch"]
 
 
 def _per_model_inner(*inner):
@@ -31,6 +31,14 @@ def _per_model_inner(*inner):
             return (f"it wraps layer '{layer.name}' "
                     f"({type(layer).__name__}), which runs once per model")
     return None
+
+
+def couples_batch(layer):
+    """Whether `layer` in training computes with the whole batch rather
+    than sample by sample: a trainable layer in it holds non-trainable
+    weights of its own (a batch normalization's moving statistics)."""
+    return any(inner.trainable and inner._non_trainable_variables
+               for inner in layer._flatten_layers(include_self=True))
 
 
 def _check_inner(wrapper, role, layer, num_models):
@@ -56,9 +64,14 @@ class FusedTimeDistributed(ModelActivityRegularization,
         weights: the fused inner layer's, `[B, *stock shape]` each.
 
     The time axis is folded into the batch: the fused inner layer runs once
-    on `[batch * timesteps, B, ...]`, and its output is unfolded. As in the
-    stock wrapper, the inner layer is applied through its `call` (so its
-    activity regularizer does not run) and receives `training`.
+    on `[batch * timesteps, B, ...]`, and its output is unfolded. In
+    training, an inner layer whose result depends on the whole batch
+    (a `BatchNormalization`, or any trainable layer inside it with
+    non-trainable weights: `couples_batch`) instead runs once per timestep,
+    as in the stock wrapper: each timestep is normalized by its own
+    statistics, and the moving statistics move once per timestep. As in
+    the stock wrapper, the inner layer is applied through its `call` (so
+    its activity regularizer does not run) and receives `training`.
 
     Args:
         layer: a fused layer of `num_models` models (e.g. a `FusedDense`, or
@@ -144,11 +157,40 @@ class FusedTimeDistributed(ModelActivityRegularization,
                     "num_models, timesteps, ...]. Received a mask of shape "
                     f"{tuple(mask.shape)} for inputs of shape "
                     f"{tuple(inputs.shape)}.")
-            kwargs["mask"] = self._fold_time(mask)
+            kwargs["mask"] = mask
         if self.layer._call_has_training_arg:
             kwargs["training"] = training
+        if training and couples_batch(self.layer):
+            return self._call_per_step(inputs, kwargs)
+        if "mask" in kwargs:
+            kwargs["mask"] = self._fold_time(kwargs["mask"])
         outputs = self.layer.call(self._fold_time(inputs), **kwargs)
         return self._unfold_time(outputs, steps)
+
+    def _call_per_step(self, inputs, kwargs):
+        """The inner layer called on each timestep in turn (a Python loop
+        over a known number of timesteps, else `ops.vectorized_map`, as in
+        the stock wrapper)."""
+        mask = kwargs.pop("mask", None)
+
+        def step(x, m):
+            return self.layer.call(
+                x, **kwargs, **({} if m is None else {"mask": m}))
+
+        if inputs.shape[2] is not None:
+            return ops.stack([
+                step(inputs[:, :, i], None if mask is None else mask[:, :, i])
+                for i in range(inputs.shape[2])], axis=2)
+
+        def time_major(x):
+            return ops.moveaxis(x, 2, 0)
+
+        elements = [time_major(inputs)]
+        if mask is not None:
+            elements.append(time_major(mask))
+        outputs = ops.vectorized_map(
+            lambda e: step(e[0], e[1] if len(e) > 1 else None), elements)
+        return ops.moveaxis(outputs, 0, 2)
 
     def get_config(self):
         config = super().get_config()

@@ -88,6 +88,69 @@ def test_nested_time_distributed_matches_stock():
                              [per_model_inputs(rng, input_shape)], rng)
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_time_distributed_batch_norm_matches_stock(training):
+    # In training, a batch normalization normalizes each timestep by its own
+    # statistics and moves its moving statistics once per timestep.
+    rng = np.random.default_rng(4)
+    input_shape = (STEPS, FEATURES)
+    stock = stock_wrappers(lambda: keras.layers.TimeDistributed(
+        keras.layers.BatchNormalization(momentum=0.5)), input_shape, rng)
+    fused = fused_twin(stock, input_shape)
+    x = per_model_inputs(rng, input_shape)
+    # Timesteps of different scales: statistics over all of them differ.
+    x *= np.arange(1, STEPS + 1, dtype="float32")[None, None, :, None]
+    compare_layer_with_stock(stock, fused, [x], rng, training=training)
+
+
+def test_time_distributed_batch_norm_trains_like_stock():
+    # keras.io's video classifiers: convolutions and batch normalization
+    # applied to every frame.
+    inputs = keras.Input((STEPS, 4, 4, 2))
+    hidden = keras.layers.TimeDistributed(
+        keras.layers.Conv2D(3, 3, padding="same"))(inputs)
+    hidden = keras.layers.TimeDistributed(
+        keras.layers.BatchNormalization(momentum=0.5))(hidden)
+    hidden = keras.layers.TimeDistributed(
+        keras.layers.GlobalAveragePooling2D())(hidden)
+    outputs = keras.layers.Dense(2)(keras.layers.GRU(3)(hidden))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4, STEPS, 4, 4, 2)).astype("float32")
+    x *= np.arange(1, STEPS + 1, dtype="float32")[None, :, None, None, None]
+    trains_like_stock(keras.Model(inputs, outputs), x,
+                      rng.standard_normal((4, 2)).astype("float32"))
+
+
+def test_time_distributed_batch_norm_with_unknown_timesteps():
+    inputs = keras.Input((None, FEATURES))
+    outputs = keras.layers.TimeDistributed(
+        keras.layers.BatchNormalization(momentum=0.5))(inputs)
+    array = hftatf.fuse(keras.Model(inputs, outputs), NUM_MODELS)
+    stock = array.unfuse()
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((BATCH, STEPS, FEATURES)).astype("float32")
+    x *= np.arange(1, STEPS + 1, dtype="float32")[None, :, None]
+    y = np.asarray(array(x, training=True))
+    trained = array.unfuse()
+    for b, twin in enumerate(stock):
+        assert_close(y[:, b], twin(x, training=True), err_msg=f"model {b}")
+        for got, want in zip(trained[b].get_weights(), twin.get_weights()):
+            assert_close(got, want, err_msg=f"model {b}")
+
+
+def test_couples_batch():
+    from hftatf.layers.wrappers import couples_batch
+
+    dense = FusedDense(NUM_MODELS, UNITS)
+    dense.build((None, NUM_MODELS, FEATURES))
+    assert not couples_batch(dense)
+    norm = registry.fuse_layer(keras.layers.BatchNormalization(), NUM_MODELS)
+    norm.build((None, NUM_MODELS, FEATURES))
+    assert couples_batch(norm)
+    norm.trainable = False  # a frozen batch normalization runs in inference
+    assert not couples_batch(norm)
+
+
 def test_time_distributed_dropout_per_model():
     input_shape = (STEPS, FEATURES)
     fused = FusedTimeDistributed.from_stock(keras.layers.TimeDistributed(
