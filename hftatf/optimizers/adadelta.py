@@ -35,6 +35,8 @@ class Adadelta(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    complemented_hyperparameters = ("rho",)
+
     def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7,
                  **kwargs):
         super().__init__(
@@ -55,6 +57,7 @@ class Adadelta(FusedOptimizer):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
         rho = self._hyper("rho", variable)
+        one_minus_rho = self._complement("rho", variable)
         epsilon = self._hyper("epsilon", variable)
         index = self._get_variable_index(variable)
         accumulated_grad = self._accumulated_grads[index]
@@ -68,11 +71,11 @@ class Adadelta(FusedOptimizer):
             return ops.sqrt(x.value + epsilon)
 
         self.assign(accumulated_grad, ops.multiply(rho, accumulated_grad)
-                    + ops.multiply(1 - rho, ops.square(gradient)))
+                    + ops.multiply(one_minus_rho, ops.square(gradient)))
         delta_var = ops.negative(ops.divide(
             ops.multiply(rms(accumulated_delta_var), gradient),
             rms(accumulated_grad)))
         self.assign(accumulated_delta_var,
                     ops.multiply(rho, accumulated_delta_var)
-                    + ops.multiply(1 - rho, ops.square(delta_var)))
+                    + ops.multiply(one_minus_rho, ops.square(delta_var)))
         self.assign_add(variable, ops.multiply(lr, delta_var))

@@ -6,20 +6,25 @@ from hftatf.api import hftatf_export
 from hftatf.optimizers.base import FusedOptimizer
 
 
-def adam_step(optimizer, gradient, variable, lr, m, v, beta_1, beta_2,
-              epsilon, v_hat=None):
+def adam_step(optimizer, gradient, variable, lr, m, v, betas, epsilon,
+              v_hat=None):
     """One Adam step of `variable` by `optimizer` (a `FusedOptimizer`),
-    with the `[B, 1, ..., 1]` hyper-parameters, its slots `m` and `v`, and
-    with AMSGrad's `v_hat` where given."""
+    with the `[B, 1, ..., 1]` learning rate `lr` and `epsilon`, the
+    optimizer's (complemented) hyper-parameters named `betas`, its slots
+    `m` and `v`, and with AMSGrad's `v_hat` where given."""
+    beta_1, beta_2 = (optimizer._hyper(name, variable) for name in betas)
+    one_minus_beta_1, one_minus_beta_2 = (
+        optimizer._complement(name, variable) for name in betas)
     local_step = optimizer._local_step(variable)
     beta_1_power = ops.power(beta_1, local_step)
     beta_2_power = ops.power(beta_2, local_step)
     alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
 
     optimizer.assign_add(
-        m, ops.multiply(ops.subtract(gradient, m), 1 - beta_1))
+        m, ops.multiply(ops.subtract(gradient, m), one_minus_beta_1))
     optimizer.assign_add(
-        v, ops.multiply(ops.subtract(ops.square(gradient), v), 1 - beta_2))
+        v, ops.multiply(ops.subtract(ops.square(gradient), v),
+                        one_minus_beta_2))
     if v_hat is not None:
         optimizer.assign(v_hat, ops.maximum(v_hat, v))
         v = v_hat
@@ -49,6 +54,8 @@ class Adam(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    complemented_hyperparameters = ("beta_1", "beta_2")
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, amsgrad=False, **kwargs):
         super().__init__(
@@ -72,13 +79,11 @@ class Adam(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
-        beta_1 = self._hyper("beta_1", variable)
-        beta_2 = self._hyper("beta_2", variable)
         epsilon = self._hyper("epsilon", variable)
 
         index = self._get_variable_index(variable)
         adam_step(self, gradient, variable, lr, self._momentums[index],
-                  self._velocities[index], beta_1, beta_2, epsilon,
+                  self._velocities[index], ("beta_1", "beta_2"), epsilon,
                   self._velocity_hats[index] if self.amsgrad else None)
 
     def get_config(self):

@@ -34,6 +34,8 @@ class Adamax(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    complemented_hyperparameters = ("beta_1",)
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, **kwargs):
         super().__init__(
@@ -62,7 +64,8 @@ class Adamax(FusedOptimizer):
         m = self._m[index]
         u = self._u[index]
 
-        self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1 - beta_1))
+        self.assign_add(m, ops.multiply(ops.subtract(gradient, m),
+                                        self._complement("beta_1", variable)))
         u_t = ops.maximum(ops.multiply(beta_2, u), ops.abs(gradient))
         self.assign(u, u_t)
         # `+` on tensors, not ops.add nor a Keras variable's `+`, which

@@ -84,6 +84,13 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     # not finite (as loss scaling does); FusedModel reads it.
     skips_nonfinite_steps = False
 
+    # The hyper-parameters whose complement, `1 - value`, the stock
+    # optimizer computes from the Python float (in double precision) and
+    # rounds once (Adam's `1 - self.beta_2`): read with `_complement`.
+    # From a float32 value it would be off by up to 2e-4 of itself for
+    # values near 1 (`1 - float32(0.9999)`), and each step with it.
+    complemented_hyperparameters = ()
+
     def __init__(
         self,
         learning_rate,
@@ -118,6 +125,7 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         )
         self._hyper_values = values
         self._hyper_variables = {}
+        self._complement_variables = {}
         self._hyper_ranges = {}
         self._model_iterations = None
         self._num_models = None
@@ -213,6 +221,31 @@ class FusedOptimizer(keras.optimizers.Optimizer):
             variable = self._hyper_variables[name]
             variable.assign(np.broadcast_to(
                 np.asarray(value, dtype=variable.dtype), variable.shape))
+        if name in self._complement_variables:
+            variable = self._complement_variables[name]
+            variable.assign(_complement_values(value, variable.shape))
+        if name in self.__dict__:  # an attribute the stock base keeps
+            super().__setattr__(name, value)
+
+    def __getattr__(self, name):
+        # Each hyper-parameter reads as an attribute, as in the stock
+        # optimizer (`optimizer.beta_1`): a float, or one float per model.
+        values = self.__dict__.get("_hyper_values")
+        if values is not None and name in values:
+            return self._hyper_config(name)
+        raise AttributeError(
+            f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __setattr__(self, name, value):
+        # ... and is set as one (`optimizer.beta_1 = [0.8, 0.9]`), through
+        # `set_hyperparameter`: checked, and read by the next step.
+        values = self.__dict__.get("_hyper_values")
+        if (values is not None and name in values
+                and not isinstance(getattr(type(self), name, None),
+                                   property)):
+            self.set_hyperparameter(name, value)
+            return
+        super().__setattr__(name, value)
 
     def _check_range(self, name, low, high, value=None):
         """Raises a ValueError unless every value of `name` is in range;
@@ -237,6 +270,12 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     def _hyper(self, name, variable):
         """Hyper-parameter `name` as `[B, 1, ..., 1]`, in `variable`'s dtype."""
         return self._per_model(self._hyper_variables[name], variable)
+
+    def _complement(self, name, variable):
+        """`1 - hyper-parameter name` as `[B, 1, ..., 1]`, in `variable`'s
+        dtype, computed from the Python floats as the stock optimizer
+        computes it (`complemented_hyperparameters`)."""
+        return self._per_model(self._complement_variables[name], variable)
 
     def _per_model(self, values, variable):
         """Broadcasts a `[B]` vector against a `[B, ...]` variable; once per
@@ -360,6 +399,12 @@ class FusedOptimizer(keras.optimizers.Optimizer):
                 (self.num_models,), name=name,
                 initializer=keras.initializers.Constant(initial.copy()),
                 aggregation="only_first_replica")
+            if name in self.complemented_hyperparameters:
+                self._complement_variables[name] = self.add_variable(
+                    (self.num_models,), name=f"one_minus_{name}",
+                    initializer=keras.initializers.Constant(
+                        _complement_values(value, (self.num_models,))),
+                    aggregation="only_first_replica")
         # Each model's own `_iterations`: the raw count of the steps applied
         # to it (micro-steps under gradient accumulation), checkpointed.
         self._model_iterations = self.add_variable(
@@ -739,10 +784,17 @@ class FusedOptimizer(keras.optimizers.Optimizer):
                           for s in schedules]
             value = self._hyper_values[name]
             return serialized if isinstance(value, list) else serialized[0]
+        value = self._hyper_values[name]
         if name in self._hyper_variables:
-            return [float(v) for v in ops.convert_to_numpy(
-                self._hyper_variables[name])]
-        return self._hyper_values[name]
+            current = ops.convert_to_numpy(self._hyper_variables[name])
+            # The floats given, while the variable holds them (a config
+            # keeps the complements exact), else what it holds (restored).
+            if value is not None and np.array_equal(
+                    np.broadcast_to(np.float32(value), current.shape),
+                    current):
+                return value
+            return [float(v) for v in current]
+        return value
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -780,6 +832,14 @@ def _set_for(store, optimizer, value):
             entries.pop(id(optimizer), None)
         else:
             entries[id(optimizer)] = previous
+
+
+def _complement_values(value, shape):
+    """`1 - value` (a float or a list) in double precision, then rounded
+    to float32, broadcast to `shape`."""
+    return np.broadcast_to(
+        (1.0 - np.asarray(value, dtype="float64")).astype("float32"),
+        shape).copy()
 
 
 def _unwrap(variable):

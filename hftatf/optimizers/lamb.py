@@ -59,6 +59,8 @@ class Lamb(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    complemented_hyperparameters = ("beta_1", "beta_2")
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, **kwargs):
         check_required(self, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon)
@@ -90,9 +92,11 @@ class Lamb(FusedOptimizer):
         m = self._momentums[index]
         v = self._velocities[index]
 
-        self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1 - beta_1))
+        self.assign_add(m, ops.multiply(ops.subtract(gradient, m),
+                                        self._complement("beta_1", variable)))
         self.assign_add(
-            v, ops.multiply(ops.subtract(ops.square(gradient), v), 1 - beta_2))
+            v, ops.multiply(ops.subtract(ops.square(gradient), v),
+                            self._complement("beta_2", variable)))
         m_t_hat = ops.divide(m, 1.0 - beta_1_power)
         # `+`, not ops.add: on TensorFlow, ops.add turns into bias_add (along
         # the last axis) whenever the shapes allow it, mixing models.

@@ -56,6 +56,8 @@ class Muon(FusedOptimizer):
     zeropower_via_newtonschulz5 = (
         keras.optimizers.Muon.zeropower_via_newtonschulz5)
 
+    complemented_hyperparameters = ("adam_beta_1", "adam_beta_2")
+
     def __init__(self, learning_rate=0.001, adam_beta_1=0.9,
                  adam_beta_2=0.999, adam_weight_decay=0.004, epsilon=1e-7,
                  weight_decay=0.004, clipnorm=None, clipvalue=None,
@@ -120,8 +122,7 @@ class Muon(FusedOptimizer):
             adam_step(self, gradient, variable,
                       lr * self._hyper("adam_lr_ratio", variable), m,
                       self.adam_velocities[index],
-                      self._hyper("adam_beta_1", variable),
-                      self._hyper("adam_beta_2", variable),
+                      ("adam_beta_1", "adam_beta_2"),
                       self._hyper("epsilon", variable))
             return
         momentum = self._hyper("momentum", variable)

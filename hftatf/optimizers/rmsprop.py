@@ -44,6 +44,8 @@ class RMSprop(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    complemented_hyperparameters = ("rho",)
+
     def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0,
                  epsilon=1e-7, centered=False, **kwargs):
         super().__init__(
@@ -91,12 +93,13 @@ class RMSprop(FusedOptimizer):
         # variable's `+`, which calls it: on TensorFlow, ops.add turns into
         # bias_add (along the last axis) whenever the shapes allow it,
         # mixing models.
+        one_minus_rho = self._complement("rho", variable)
         self.assign(velocity, ops.multiply(rho, velocity)
-                    + ops.multiply(1 - rho, ops.square(gradient)))
+                    + ops.multiply(one_minus_rho, ops.square(gradient)))
         if self.centered:
             average_grad = self._average_gradients[index]
             self.assign(average_grad, ops.multiply(rho, average_grad)
-                        + ops.multiply(1 - rho, gradient))
+                        + ops.multiply(one_minus_rho, gradient))
             denominator = velocity - ops.square(average_grad) + epsilon
         else:
             denominator = velocity.value + epsilon

@@ -527,3 +527,58 @@ def test_steps_of_every_model_select_nothing_and_broadcast_once():
     assert four["else_branch"]["SelectV2"] == 2 * two["else_branch"][
         "SelectV2"] > 0
     assert four["then_branch"]["Reshape"] == two["then_branch"]["Reshape"]
+
+
+# -- complements and attributes, as the stock optimizers have them ----------
+
+COMPLEMENTED = {
+    "Adam": {"beta_1": [0.9999, 0.9, 0.99], "beta_2": [0.9999, 0.999, 0.99]},
+    "AdamW": {"beta_1": [0.9999, 0.9, 0.99], "beta_2": [0.9999, 0.999, 0.99]},
+    "Adamax": {"beta_1": [0.9999, 0.999, 0.99]},
+    "RMSprop": {"rho": [0.9999, 0.999, 0.99]},
+    "Adadelta": {"rho": [0.9999, 0.999, 0.99]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPLEMENTED))
+def test_complements_are_rounded_once_as_in_stock(name):
+    # Stock optimizers compute `1 - self.beta_2` from the Python float: from
+    # float32 values near 1 it would be off by up to 2e-4 of itself, and
+    # these steps (a learning rate of 1) would drift past the tolerance.
+    # (Lamb, which complements too, rescales its updates by the trust
+    # ratio, which cancels most of the error: no test of it here.)
+    values = {"learning_rate": 1.0, **COMPLEMENTED[name]}
+    fused = getattr(optimizers, name)(**values)
+    stock = [getattr(keras.optimizers, name)(
+        learning_rate=1.0, **{k: v[b] for k, v in COMPLEMENTED[name].items()})
+        for b in range(B)]
+    rng = np.random.default_rng(7)
+    initial = per_model_arrays(rng, SHAPES, B)
+    fused_variables = [keras.Variable(value) for value in initial]
+    stock_vars = [stock_variables(initial, b) for b in range(B)]
+    for _ in range(4):
+        grads = per_model_arrays(rng, SHAPES, B)
+        fused.apply(grads, fused_variables)
+        apply_per_model(stock, stock_vars, grads)
+    assert_slices_match(fused_variables, stock_vars, atol=1e-6, rtol=1e-6)
+
+
+def test_hyperparameters_read_and_set_as_attributes():
+    optimizer = optimizers.Adam(learning_rate=0.1, beta_1=[0.9, 0.8, 0.5])
+    assert optimizer.beta_1 == [0.9, 0.8, 0.5]
+    assert optimizer.beta_2 == 0.999
+    optimizer.beta_2 = [0.99, 0.9, 0.5]  # checked and kept, as the setter
+    np.testing.assert_allclose(optimizer.get_hyperparameter("beta_2"),
+                               [0.99, 0.9, 0.5])
+    variables = [keras.Variable(np.ones((B, 2), "float32"))]
+    optimizer.build(variables)
+    optimizer.beta_1 = 0.0  # read by the next step
+    np.testing.assert_array_equal(optimizer.get_hyperparameter("beta_1"),
+                                  [0.0] * B)
+    np.testing.assert_allclose(
+        optimizer._complement_variables["beta_1"], [1.0] * B)
+    assert optimizer.get_config()["beta_1"] == 0.0
+    with pytest.raises(ValueError, match="beta_1"):
+        optimizer.beta_1 = [0.9, 0.9]
+    with pytest.raises(AttributeError, match="beta_3"):
+        optimizer.beta_3  # noqa: B018
