@@ -276,6 +276,21 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
                    name=layer.name)
 
     @classmethod
+    def refusal(cls, layer):
+        """Why the stock `layer` cannot be folded, or None (it then runs
+        once per model): it computes along the batch axis (`axis=0` of a
+        `Softmax`, `UnitNormalization` or `Concatenate`, `axes=0` of a
+        `Dot`), which folding would share between the models."""
+        for name in ("axis", "axes"):
+            value = getattr(layer, name, None)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if any(isinstance(v, int) and not isinstance(v, bool) and v == 0
+                   for v in values):
+                return (f"it computes along the batch axis (`{name}="
+                        f"{value!r}`), which the models must not share")
+        return None
+
+    @classmethod
     def takes_models_first(cls, layer):
         """Whether `hftatf.fuse` runs the stock `layer` with the models
         first: deterministic layers that make no mask of their own, and

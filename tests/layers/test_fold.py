@@ -1011,3 +1011,23 @@ def test_activity_regularizer_of_a_per_batch_layer_is_per_model():
     x = rng.uniform(0, 255, (8, 4, 4, 3)).astype("float32")
     y = rng.standard_normal((8, 1)).astype("float32")
     trains_like_stock(keras.Model(inputs, outputs), x, y)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: keras.layers.Softmax(axis=0),
+    lambda: keras.layers.UnitNormalization(axis=0),
+    lambda: keras.layers.UnitNormalization(axis=[0, -1]),
+], ids=["softmax", "unit_normalization", "unit_normalization_axes"])
+def test_a_layer_along_the_batch_axis_runs_per_model(make):
+    # Folded, the models' samples would be one batch: it runs once per
+    # model instead, on that model's batch.
+    layer = make()
+    assert "batch axis" in registry.refusal_of_registered_form(layer)
+    assert registry.runs_per_model(layer)
+    inputs = keras.Input((4, 6))
+    model = keras.Model(inputs, layer(keras.layers.Dense(3)(inputs)))
+    array = hftatf.fuse(model, 2)
+    x = np.random.default_rng(0).standard_normal((6, 4, 6)).astype("float32")
+    prediction = array.predict(x, verbose=0)
+    for b, twin in enumerate(array.unfuse()):
+        assert_close(prediction[:, b], twin.predict(x, verbose=0))
