@@ -141,32 +141,25 @@ def _dropout_models_first(layer, inputs, num_models, training):
         for size, dim in zip(folded, layer.noise_shape)]
     keep = tf.random.stateless_uniform(
         noise_shape, seed=seed, dtype=inputs.dtype, alg=None) >= layer.rate
-    if layer.noise_shape is not None and layer.noise_shape[0] == 1:
-        # One mask for every sample, models included. (Decided on the
-        # layer's own noise shape: the batch size may be unknown here.)
-        keep = ops.expand_dims(keep, 0)
-    else:
-        keep = ops.reshape(keep, (shape[1], num_models, *noise_shape[1:]))
-        keep = ops.swapaxes(keep, 0, 1)
+    keep = ops.reshape(keep, (shape[1], num_models, *noise_shape[1:]))
+    keep = ops.swapaxes(keep, 0, 1)
     scale = tf.convert_to_tensor(1 / (1 - layer.rate), dtype=inputs.dtype)
     zero = tf.zeros((), inputs.dtype)
     pieces = stacked_pieces(inputs, num_models, 0)
     if pieces is None:
         return tf.where(keep, inputs * scale, zero)
-    keeps = (model_pieces(keep, num_models, 0) if keep.shape[0] == num_models
-             else [ops.squeeze(keep, 0)] * num_models)
-    return stack_models([tf.where(k, piece * scale, zero)
-                         for k, piece in zip(keeps, pieces)], 0)
+    return stack_models([tf.where(k, piece * scale, zero) for k, piece in
+                         zip(model_pieces(keep, num_models, 0), pieces)], 0)
 
 
 def _draws_models_first(layer):
     """Whether `FusedFold` draws the random `layer`'s numbers with the
     models first as it would with them second: the stock `Dropout` (not
     its subclasses, which shape their noise otherwise) with a mask per
-    sample or one for the whole batch."""
+    sample (one for the whole batch runs per model: `FusedFold.refusal`)."""
     if type(layer) is not keras.layers.Dropout:
         return False
-    return layer.noise_shape is None or layer.noise_shape[0] in (None, 1)
+    return layer.noise_shape is None or layer.noise_shape[0] is None
 
 
 def _fold_tensors(structure, name, num_models, models_first=False):
@@ -280,7 +273,14 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
         """Why the stock `layer` cannot be folded, or None (it then runs
         once per model): it computes along the batch axis (`axis=0` of a
         `Softmax`, `UnitNormalization` or `Concatenate`, `axes=0` of a
-        `Dot`), which folding would share between the models."""
+        `Dot`), or draws one mask for the whole batch (a `noise_shape`
+        of batch size 1), which folding would share between the
+        models."""
+        noise_shape = getattr(layer, "noise_shape", None)
+        if noise_shape is not None and noise_shape[0] == 1:
+            return (f"it draws one mask for the whole batch (`noise_shape="
+                    f"{tuple(noise_shape)!r}`), which each model must draw "
+                    "for itself")
         for name in ("axis", "axes"):
             value = getattr(layer, name, None)
             values = value if isinstance(value, (list, tuple)) else [value]

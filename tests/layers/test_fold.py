@@ -1031,3 +1031,20 @@ def test_a_layer_along_the_batch_axis_runs_per_model(make):
     prediction = array.predict(x, verbose=0)
     for b, twin in enumerate(array.unfuse()):
         assert_close(prediction[:, b], twin.predict(x, verbose=0))
+
+
+@pytest.mark.parametrize("layout", ["auto", "batch_first"])
+def test_dropout_of_one_mask_per_batch_draws_one_per_model(layout):
+    # Four jobs would draw four masks, each for its whole batch.
+    layer = keras.layers.Dropout(0.5, noise_shape=(1, 16))
+    assert "whole batch" in registry.refusal_of_registered_form(layer)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(16, kernel_initializer="ones",
+                                bias_initializer="ones")(inputs)
+    array = hftatf.fuse(keras.Model(inputs, layer(hidden)), 4,
+                        layout=layout)
+    kept = np.asarray(array(np.ones((5, 16), "float32"), training=True)) != 0
+    for b in range(4):
+        assert (kept[:, b] == kept[:1, b]).all()  # one mask for the batch
+        assert 0 < kept[0, b].sum() < 16
+    assert len({kept[0, b].tobytes() for b in range(4)}) > 1
