@@ -827,6 +827,19 @@ class FusedModel(keras.Model):
         return [keras.tree.pack_sequence_as(y_pred, [s[b] for s in flat])
                 for b in range(count)]
 
+    def _aligned(self, structure, y_pred, flat_pred, losses=None):
+        """`flat_pred` (and the outputs' `losses`) in the order of
+        `keras.tree.flatten(structure)`: a dict of labels or sample weights
+        by output name flattens in sorted-name order, the outputs of a
+        list model in the model's order."""
+        if isinstance(structure, dict) and not isinstance(y_pred, dict):
+            names = list(getattr(self, "output_names", None) or ())
+            if len(names) == len(flat_pred) and set(structure) <= set(names):
+                order = [names.index(key) for key in sorted(structure)]
+                return ([flat_pred[i] for i in order],
+                        None if losses is None else [losses[i] for i in order])
+        return flat_pred, losses
+
     def _model_targets(self, y, y_pred, sample_weight, index, pred,
                        training=False):
         """Model `index`'s predictions `pred` (its slice of `y_pred`), with
@@ -836,20 +849,25 @@ class FusedModel(keras.Model):
         labels = None
         if y is not None:
             flat_y = keras.tree.flatten(y)
-            pairs = (zip(flat_y, flat_pred, self._output_losses(y_pred))
-                     if len(flat_y) == len(flat_pred)
+            preds, losses = self._aligned(
+                y, y_pred, flat_pred, self._output_losses(y_pred))
+            pairs = (zip(flat_y, preds, losses)
+                     if len(flat_y) == len(preds)
                      else ((t, None, None) for t in flat_y))
-            per_model = [p is not None and self._is_per_model(t, p, loss)
-                         if self._per_model_labels is None
-                         else bool(self._per_model_labels)
-                         for t, p, loss in pairs]
+            # A None label (an output without a loss) stays None.
+            per_model = [t is not None and (
+                p is not None and self._is_per_model(t, p, loss)
+                if self._per_model_labels is None
+                else bool(self._per_model_labels))
+                for t, p, loss in pairs]
             labels = keras.tree.pack_sequence_as(y, [
                 t[:, index] if slice_it else t
                 for t, slice_it in zip(flat_y, per_model)])
         if sample_weight is not None:
             flat_w = keras.tree.flatten(sample_weight)
-            references = (flat_pred if len(flat_w) == len(flat_pred)
-                          else [flat_pred[0]] * len(flat_w))
+            references, _ = self._aligned(sample_weight, y_pred, flat_pred)
+            if len(flat_w) != len(references):
+                references = [flat_pred[0]] * len(flat_w)
             sample_weight = keras.tree.pack_sequence_as(sample_weight, [
                 None if w is None else w[:, index]
                 if self._is_per_model_weight(w, p) else w

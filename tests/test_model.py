@@ -507,3 +507,55 @@ def test_saturated_softmax_and_sigmoid_outputs_match_stock(kind, body,
             assert_close(got, want, rtol=1e-5, atol=1e-6)
     probabilities = stock[0].predict(x, verbose=0)
     assert np.mean((probabilities < 1e-7) | (probabilities > 1 - 1e-7)) > 0.2
+
+
+def two_output_model():
+    """Outputs out of sorted-name order, one from a convolution's batch
+    normalization (which a CPU array computes with the models first, then
+    moves back), one from a branch without weights on the shared input."""
+    x = keras.Input((8, 3), name="img")
+    norm = keras.layers.BatchNormalization(name="norm")(
+        keras.layers.Conv1D(4, 3, name="conv")(x))
+    flat = keras.layers.Flatten(name="flat")(x)
+    head = keras.layers.Dense(2, name="head")(keras.layers.Flatten()(norm))
+    return keras.Model(x, [head, norm, flat])
+
+
+def test_outputs_keep_their_stock_names_for_dict_losses_and_labels():
+    model = two_output_model()
+    array = hftatf.fuse(model, 2)
+    assert array.output_names == model.output_names == ["head", "norm",
+                                                        "flat"]
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(8, 8, 3)).astype("float32")
+    y = {"head": rng.normal(size=(8, 2)).astype("float32"),
+         "norm": rng.normal(size=(8, 6, 4)).astype("float32"),
+         "flat": rng.normal(size=(8, 24)).astype("float32")}
+    loss = {"head": "mse", "norm": "mae", "flat": "mse"}
+    array.compile(hftatf.optimizers.SGD(0.1), loss=loss,
+                  loss_weights={"head": 1.0, "norm": 0.5, "flat": 0.0})
+    logs = array.evaluate(x, y, verbose=0, return_dict=True)
+    for b, twin in enumerate(array.unfuse()):
+        twin.compile(keras.optimizers.SGD(0.1), loss=loss,
+                     loss_weights={"head": 1.0, "norm": 0.5, "flat": 0.0})
+        expected = twin.evaluate(x, y, verbose=0, return_dict=True)
+        for name in ("loss", "head_loss", "norm_loss", "flat_loss"):
+            assert_close(logs[f"{name}_{b}"], expected[name],
+                         err_msg=f"{name}, model {b}")
+
+
+def test_a_none_label_for_an_output_without_a_loss():
+    x = keras.Input((4,))
+    model = keras.Model(x, [keras.layers.Dense(2, name="a")(x),
+                            keras.layers.Dense(3, name="b")(x)])
+    array = hftatf.fuse(model, 2)
+    rng = np.random.default_rng(4)
+    inputs = rng.normal(size=(8, 4)).astype("float32")
+    labels = rng.normal(size=(8, 2)).astype("float32")
+    array.compile(hftatf.optimizers.SGD(0.1), loss=["mse", None])
+    logs = array.evaluate(inputs, [labels, None], verbose=0,
+                          return_dict=True)
+    for b, twin in enumerate(array.unfuse()):
+        twin.compile(keras.optimizers.SGD(0.1), loss=["mse", None])
+        assert_close(logs[f"loss_{b}"],
+                     twin.evaluate(inputs, [labels, None], verbose=0))
