@@ -47,7 +47,8 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         num_models: the number of models `B`.
         shared_inputs: whether the models share each input batch
             (`[batch, ...]`, the usual tuning case) or take one batch each
-            (`[batch, B, ...]`); a bool for all inputs or one per input.
+            (`[batch, B, ...]`); a bool for all inputs, one per input, or
+            a dict of them by input name.
         name: the array's name; defaults to `"fused_" + model.name`.
         model_class: the `FusedModel` subclass to build.
         layout: how activations between the array's layers are laid out:
@@ -82,14 +83,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         _check_no_custom_steps(model)
     structure = _input_structure(model)
     inputs = keras.tree.flatten(structure)
-    if isinstance(shared_inputs, bool):
-        shared_inputs = [shared_inputs] * len(inputs)
-    shared_inputs = list(shared_inputs)
-    if len(shared_inputs) != len(inputs):
-        raise ValueError(
-            f"`shared_inputs` needs one bool per input of model "
-            f"'{model.name}' ({len(inputs)} inputs). Received: "
-            f"shared_inputs={shared_inputs!r}.")
+    shared_inputs = _shared_inputs(shared_inputs, inputs, model)
     walker = _Walker(num_models, models_first=layout == "models_first")
     new_inputs = [walker.input_like(x, shared)
                   for x, shared in zip(inputs, shared_inputs)]
@@ -105,7 +99,44 @@ def fuse(model, num_models, shared_inputs=True, name=None,
     # Saved with the array's config, so that a reloaded (or selected)
     # array is laid out as asked; "auto" decides again where it loads.
     array._layout = requested
+    # The outputs' names are the stock model's (loss and label dicts, logs),
+    # also where an output comes from a layer of the array's own (a move of
+    # the model axis back to the batch first).
+    names = list(getattr(model, "output_names", None) or ())
+    if len(names) == len(array.output_names):
+        array.output_names = names
     return array
+
+
+def _shared_inputs(shared_inputs, inputs, model):
+    """`shared_inputs` as one bool per input of `model` (`inputs`, in
+    order), from a bool, a sequence of bools, or a dict of bools by input
+    name."""
+    names = [x.name for x in inputs]
+    if isinstance(shared_inputs, (bool, np.bool_)):
+        values = [bool(shared_inputs)] * len(inputs)
+    elif isinstance(shared_inputs, dict):
+        unknown = sorted(set(shared_inputs) - set(names))
+        missing = [n for n in names if n not in shared_inputs]
+        if unknown or missing:
+            raise ValueError(
+                f"`shared_inputs` as a dict needs one bool per input name of "
+                f"model '{model.name}': {names}. Received: "
+                f"shared_inputs={shared_inputs!r}.")
+        values = [shared_inputs[n] for n in names]
+    else:
+        values = list(shared_inputs)
+        if len(values) != len(inputs):
+            raise ValueError(
+                f"`shared_inputs` needs one bool per input of model "
+                f"'{model.name}' ({len(inputs)} inputs: {names}). Received: "
+                f"shared_inputs={shared_inputs!r}.")
+    if not all(isinstance(v, (bool, np.bool_)) for v in values):
+        raise TypeError(
+            f"`shared_inputs` takes bools (True: the models share the input; "
+            f"False: one batch per model). Received: "
+            f"shared_inputs={shared_inputs!r}.")
+    return [bool(v) for v in values]
 
 
 # What a Model subclass may override that an array built from the model's
@@ -220,7 +251,8 @@ class _Walker:
         self._layouts = {}  # id(stock layer) -> models first
         self._feeds_models_first = {}  # id(stock layer) -> bool
         self._leads_models_first = {}  # id(stock layer) -> bool
-        self._fused = {}  # id(stock layer) -> fused layer
+        self._fused = {}  # id(stock layer) -> (stock layer, fused layer)
+        self._nested_walkers = {}  # id(stock nested model) -> its walker
         self._stock_copies = {}  # id(stock layer) -> copy for shared inputs
         # (id(shared tensor), models first) -> (tensor, broadcast)
         self._broadcasts = {}
@@ -470,6 +502,14 @@ class _Walker:
         self._mark(outputs, False)
         return outputs
 
+    def pairs(self):
+        """`(stock layer, fused layer)` of every layer fused so far, those
+        inside a nested model after the nested model itself."""
+        for key, pair in self._fused.items():
+            yield pair
+            if key in self._nested_walkers:
+                yield from self._nested_walkers[key].pairs()
+
     def _call_nested(self, model, *args, **kwargs):
         """A functional or Sequential model used as a layer becomes a nested
         model of fused layers, with its name, taking per-model inputs."""
@@ -483,7 +523,15 @@ class _Walker:
                 keras.tree.pack_sequence_as(_input_structure(model), inputs),
                 walker.run(model, inputs), name=model.name)
             nested.trainable = model.trainable
+            if not model.trainable:
+                # The flag spread to every layer inside; some of the stock
+                # model's were set back (`model.trainable = False`, then
+                # `model.get_layer(...).trainable = True`).
+                for stock, fused in walker.pairs():
+                    if fused.trainable != stock.trainable:
+                        fused.trainable = stock.trainable
             self._fused[id(model)] = (model, nested)
+            self._nested_walkers[id(model)] = walker
         args, kwargs = keras.tree.map_structure(self.per_model, (args, kwargs))
         outputs = self._fused[id(model)][1](*args, **kwargs)
         self._mark(outputs, False)
@@ -728,6 +776,14 @@ def _architecture(model):
             "weights": [tuple(w.shape)
                         for w in getattr(layer, "weights", ())],
         })
+    if not isinstance(model, keras.Sequential):
+        # Which layers are the inputs and outputs, in order: graphs alike
+        # but for the order of their inputs compute different functions.
+        described.append({
+            "position": "of the inputs and outputs", "class": "Model",
+            "config": normalize({key: config.get(key) for key in (
+                "input_layers", "output_layers")}),
+            "weights": []})
     return described
 
 
@@ -735,7 +791,9 @@ def _first_difference(reference, other):
     """The first way `other` differs from `reference` (as `_architecture`
     describes them), in words; None if they are the same."""
     for ours, theirs in zip(reference, other):
-        where = f"layer {ours['position']}"
+        where = (f"layer {ours['position']}"
+                 if isinstance(ours["position"], int)
+                 else f"the order {ours['position']}")
         if ours["class"] != theirs["class"]:
             # Usually the same layers in another order.
             return (f"{where} is a {theirs['class']} where model 0 has a "

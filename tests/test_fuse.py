@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from testing import assert_close
+from testing import assert_close, trains_like_stock
 
 import hftatf
 
@@ -364,3 +364,48 @@ def test_models_with_custom_steps_are_refused_naming_them():
     assert hftatf.fuse(StepModel(inputs, outputs), 2,
                        model_class=OwnStepArray).num_models == 2
     assert hftatf.fuse(NamedModel(inputs, outputs), 2).num_models == 2
+
+
+def test_shared_inputs_by_name_and_refused_when_not_bools():
+    a = keras.Input((3,), name="a")
+    b = keras.Input((3,), name="b")
+    model = keras.Model([a, b], keras.layers.Dense(2)(
+        keras.layers.Concatenate()([a, b])))
+    array = hftatf.fuse(model, 2, shared_inputs={"b": False, "a": True})
+    assert list(array.shared_inputs) == [True, False]
+    with pytest.raises(ValueError, match=r"input name.*\['a', 'b'\]"):
+        hftatf.fuse(model, 2, shared_inputs={"a": True})
+    with pytest.raises(TypeError, match="takes bools"):
+        hftatf.fuse(model, 2, shared_inputs=["False", "False"])
+
+
+@pytest.mark.parametrize("swap", ["inputs", "merge"])
+def test_fuse_models_refuses_models_wired_in_another_order(swap):
+    # Alike layer for layer, but computing Dense(i1) - Dense(i2) against
+    # Dense(i2) - Dense(i1).
+    def model(swapped):
+        i1 = keras.Input((4,), name="i1")
+        i2 = keras.Input((4,), name="i2")
+        a, b = keras.layers.Dense(3)(i1), keras.layers.Dense(3)(i2)
+        merged = [b, a] if swapped and swap == "merge" else [a, b]
+        inputs = [i2, i1] if swapped and swap == "inputs" else [i1, i2]
+        return keras.Model(inputs, keras.layers.Subtract()(merged))
+
+    hftatf.fuse_models([model(False), model(False)])
+    with pytest.raises(ValueError, match="order of the inputs and outputs"):
+        hftatf.fuse_models([model(False), model(True)])
+
+
+def test_a_layer_set_back_to_trainable_inside_a_frozen_nested_model():
+    inner = keras.Input((4,))
+    sub = keras.Model(inner, keras.layers.Dense(3, name="thaw")(
+        keras.layers.Dense(4, name="frozen")(inner)), name="sub")
+    sub.trainable = False
+    sub.get_layer("thaw").trainable = True
+    x = keras.Input((4,))
+    model = keras.Model(x, keras.layers.Dense(2)(sub(x)))
+    array = hftatf.fuse(model, 2)
+    assert len(array.trainable_weights) == len(model.trainable_weights) == 4
+    rng = np.random.default_rng(5)
+    trains_like_stock(model, rng.normal(size=(8, 4)).astype("float32"),
+                      rng.normal(size=(8, 2)).astype("float32"))
