@@ -789,7 +789,25 @@ def _architecture(model):
 
 def _first_difference(reference, other):
     """The first way `other` differs from `reference` (as `_architecture`
-    describes them), in words; None if they are the same."""
+    describes them), in words; None if they are the same. The layers are
+    compared first, then the order of the inputs and outputs."""
+    def split(described):
+        return ([e for e in described if isinstance(e["position"], int)],
+                [e for e in described if not isinstance(e["position"], int)])
+
+    (ours_layers, ours_io), (their_layers, their_io) = (
+        split(reference), split(other))
+    found = _first_entry_difference(ours_layers, their_layers)
+    if found is None and len(ours_layers) != len(their_layers):
+        extra = (their_layers if len(their_layers) > len(ours_layers)
+                 else ours_layers)[min(len(ours_layers), len(their_layers))]
+        found = (f"it has {len(their_layers)} layers instead of "
+                 f"{len(ours_layers)}, from layer {extra['position']} "
+                 f"({extra['class']}) on")
+    return found or _first_entry_difference(ours_io, their_io)
+
+
+def _first_entry_difference(reference, other):
     for ours, theirs in zip(reference, other):
         where = (f"layer {ours['position']}"
                  if isinstance(ours["position"], int)
@@ -805,11 +823,6 @@ def _first_difference(reference, other):
         if ours["weights"] != theirs["weights"]:
             return (f"{where} ({ours['class']}) differs in weight shapes: "
                     f"{theirs['weights']} instead of {ours['weights']}")
-    if len(reference) != len(other):
-        extra = (other if len(other) > len(reference) else reference)[
-            min(len(reference), len(other))]
-        return (f"it has {len(other)} layers instead of {len(reference)}, "
-                f"from layer {extra['position']} ({extra['class']}) on")
     return None
 
 
