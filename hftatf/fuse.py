@@ -641,15 +641,12 @@ def unfuse(array):
             "into.")
     stacked = {path: layer.get_weights()
                for path, layer in weighted_layers(array)}
-    models = []
-    for index in range(array.num_models):
-        # Deserializing consumes the config: take a fresh copy each time.
-        # The config is the array's own, whose layers (a Lambda's function
-        # included) are already loaded: safe mode would only refuse them.
-        model = array.stock_model(safe_mode=False)
+    # The config is the array's own, whose layers (a Lambda's function
+    # included) are already loaded: safe mode would only refuse them.
+    models = array._stock_models(array.num_models, safe_mode=False)
+    for index, model in enumerate(models):
         for path, layer in weighted_layers(model):
             layer.set_weights([w[index] for w in stacked[path]])
-        models.append(model)
     return models
 
 

@@ -1,5 +1,6 @@
 """FusedModel: an array of B models trained, evaluated and served as one."""
 
+import copy
 import json
 import logging
 import warnings
@@ -480,18 +481,28 @@ class FusedModel(keras.Model):
         (fresh weights). The functions and classes of a script's own that
         its layers hold are found even where they are not registered with
         Keras (`hftatf.layers.objects`)."""
+        return self._stock_models(1, safe_mode=safe_mode)[0]
+
+    def _stock_models(self, count, safe_mode=True):
+        """`count` new stock models, as `stock_model`: the array's layers
+        are searched for the objects they hold once for all of them."""
         if self._source_json is None:
             raise ValueError(
                 f"Array '{self.name}' was not made by hftatf.fuse or "
                 "hftatf.fuse_models, so it has no stock architecture.")
-        # Each `source_config` is a new copy: deserializing consumes it.
-        source = self.source_config
+        # Two copies: `_stock_classes` rewrites `source`'s lambdas.
+        source, names = self.source_config, self.source_config
+        flags = self._inner_trainable_flags()
+        models = []
         with self._stock_classes(source):
-            model = keras.saving.deserialize_keras_object(
-                source, safe_mode=safe_mode)
-        _restore_layer_names(model, self.source_config)
-        _set_inner_trainable_flags(model, self._inner_trainable_flags())
-        return model
+            for _ in range(count):
+                # Deserializing consumes the config: each model gets a copy.
+                model = keras.saving.deserialize_keras_object(
+                    copy.deepcopy(source), safe_mode=safe_mode)
+                _restore_layer_names(model, names)
+                _set_inner_trainable_flags(model, flags)
+                models.append(model)
+        return models
 
     def _inner_trainable_flags(self):
         """`{path: flags}` of the layers this array runs per model that

@@ -62,9 +62,11 @@ def live_objects(layers):
     their code, excluded), a class by its `__name__`. A name two objects
     share, or a function named like a Keras activation, is left out: Keras
     then says it cannot find it rather than rebuild the wrong one."""
+    layers = list(_layers_inside(layers))
     found = {}
     clashes = set()
-    seen = set()
+    # The layers are visited at the top level, each once.
+    seen = {id(layer) for layer in layers}
 
     def add(name, obj):
         if found.setdefault(name, obj) is not obj:
@@ -86,21 +88,16 @@ def live_objects(layers):
             for item in value.values():
                 visit(item, depth + 1)
         elif _is_config_object(value):
-            if _is_custom(type(value)):
-                add(type(value).__name__, type(value))
-            if isinstance(value, keras.layers.Layer):
-                # A wrapper holds the layer it wraps as `layer`, some
-                # outside Keras's tracking (`FusedPerModel`).
-                inner = [getattr(value, "layer", None),
-                         *value._flatten_layers(include_self=False)]
-                for layer in inner:
-                    if isinstance(layer, keras.layers.Layer):
-                        visit(layer, 0)
-            for item in vars(value).values():
-                visit(item, depth + 1)
+            visit_attributes(value, depth)
+
+    def visit_attributes(value, depth):
+        if _is_custom(type(value)):
+            add(type(value).__name__, type(value))
+        for item in vars(value).values():
+            visit(item, depth + 1)
 
     for layer in layers:
-        visit(layer, 0)
+        visit_attributes(layer, 0)
     return {name: obj for name, obj in found.items() if name not in clashes}
 
 
