@@ -218,12 +218,8 @@ class FusedOptimizer(keras.optimizers.Optimizer):
                                  "values")
         self._hyper_values[name] = value
         if name in self._hyper_variables:
-            variable = self._hyper_variables[name]
-            variable.assign(np.broadcast_to(
-                np.asarray(value, dtype=variable.dtype), variable.shape))
-        if name in self._complement_variables:
-            variable = self._complement_variables[name]
-            variable.assign(_complement_values(value, variable.shape))
+            for store, _, values in self._stored_values(name, value):
+                store[name].assign(values)
         if name in self.__dict__:  # an attribute the stock base keeps
             super().__setattr__(name, value)
 
@@ -393,23 +389,72 @@ class FusedOptimizer(keras.optimizers.Optimizer):
                 continue
             # An initializer, not an assign: Keras may build the optimizer
             # symbolically, where assignments do not run.
-            initial = np.broadcast_to(np.asarray(value, dtype="float32"),
-                                      (self.num_models,))
-            self._hyper_variables[name] = self.add_variable(
-                (self.num_models,), name=name,
-                initializer=keras.initializers.Constant(initial.copy()),
-                aggregation="only_first_replica")
-            if name in self.complemented_hyperparameters:
-                self._complement_variables[name] = self.add_variable(
-                    (self.num_models,), name=f"one_minus_{name}",
-                    initializer=keras.initializers.Constant(
-                        _complement_values(value, (self.num_models,))),
+            for store, key, values in self._stored_values(name, value):
+                store[name] = self.add_variable(
+                    (self.num_models,), name=key,
+                    initializer=keras.initializers.Constant(values),
                     aggregation="only_first_replica")
         # Each model's own `_iterations`: the raw count of the steps applied
         # to it (micro-steps under gradient accumulation), checkpointed.
         self._model_iterations = self.add_variable(
             (self.num_models,), name="model_iterations", dtype="int",
             initializer="zeros", aggregation="only_first_replica")
+
+    def _stored_values(self, name, value):
+        """`(store, key, values)` for each `[B]` variable that holds
+        hyper-parameter `name` (a float or a list): the value itself, in
+        `_hyper_variables`, and for a complemented one `1 - value`,
+        computed in double precision, in `_complement_variables`; `key` is
+        the variable's name."""
+        value = np.asarray(value, dtype="float64")
+        found = [(self._hyper_variables, name, value)]
+        if name in self.complemented_hyperparameters:
+            found.append((self._complement_variables, f"one_minus_{name}",
+                          1.0 - value))
+        return [(store, key, np.broadcast_to(
+            values.astype("float32"), (self.num_models,)).copy())
+            for store, key, values in found]
+
+    def load_own_variables(self, store):
+        # A file saved before the complements of hyper-parameters were
+        # variables (`complemented_hyperparameters`) holds the others, in
+        # the same order: they load, and the complements are set from the
+        # hyper-parameters loaded. The stock base skips, with a warning,
+        # a file whose count differs.
+        complements = self._complements()
+        variables = self.variables
+        if complements and len(store.keys()) == (
+                len(variables) - len(complements)):
+            ids = {id(variable) for _, _, variable in complements}
+            kept = [v for v in variables if id(v) not in ids]
+            for index, variable in enumerate(kept):
+                variable.assign(store[str(index)])
+            for optimizer, name, variable in complements:
+                variable.assign(optimizer._complement_of_loaded(name))
+            return
+        super().load_own_variables(store)
+
+    def _complements(self):
+        """`(optimizer, name, variable)` for each complement variable of
+        this optimizer and of any it wraps (`inner_optimizer`)."""
+        found = []
+        for optimizer in (self, getattr(self, "inner_optimizer", None)):
+            if isinstance(optimizer, FusedOptimizer):
+                found.extend((optimizer, name, variable) for name, variable
+                             in optimizer._complement_variables.items())
+        return found
+
+    def _complement_of_loaded(self, name):
+        """`1 - name` for the value its variable holds: from the config's
+        Python floats where the variable holds them, else from the
+        variable's float32 values."""
+        loaded = ops.convert_to_numpy(self._hyper_variables[name])
+        held = {key: values for _, key, values
+                in self._stored_values(name, self._hyper_values[name])}
+        if not np.array_equal(loaded, held[name]):
+            held = {key: values for _, key, values
+                    in self._stored_values(name, loaded)}
+        return held[f"one_minus_{name}"]
 
     def _set_num_models_from(self, variables):
         for variable in variables:
@@ -832,14 +877,6 @@ def _set_for(store, optimizer, value):
             entries.pop(id(optimizer), None)
         else:
             entries[id(optimizer)] = previous
-
-
-def _complement_values(value, shape):
-    """`1 - value` (a float or a list) in double precision, then rounded
-    to float32, broadcast to `shape`."""
-    return np.broadcast_to(
-        (1.0 - np.asarray(value, dtype="float64")).astype("float32"),
-        shape).copy()
 
 
 def _unwrap(variable):

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from keras import ops
 from testing import (
     apply_per_model,
     assert_close,
@@ -582,3 +583,61 @@ def test_hyperparameters_read_and_set_as_attributes():
         optimizer.beta_1 = [0.9, 0.9]
     with pytest.raises(AttributeError, match="beta_3"):
         optimizer.beta_3  # noqa: B018
+
+
+def _complemented_adam(wrap):
+    optimizer = optimizers.Adam(learning_rate=[0.1, 0.2, 0.3],
+                                beta_1=[0.9, 0.8, 0.5],
+                                beta_2=[0.9999, 0.999, 0.99])
+    return optimizers.LossScaleOptimizer(optimizer) if wrap else optimizer
+
+
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "loss_scale"])
+def test_state_saved_without_complements_loads(wrap):
+    # A file written before complements were variables of their own holds
+    # every other variable, in the same order: it must load all of them,
+    # and set the complements from the betas, not skip the whole state as
+    # the stock base does when the counts differ.
+    saved = _complemented_adam(wrap)
+    variables = [keras.Variable(v) for v in per_model_arrays(
+        np.random.default_rng(3), SHAPES, B)]
+    for seed in range(2):
+        saved.apply(per_model_arrays(np.random.default_rng(seed), SHAPES, B),
+                    variables)
+    complements = {id(v) for _, _, v in saved._complements()}
+    assert len(complements) == 2
+    old_layout = [v for v in saved.variables if id(v) not in complements]
+    store = {str(i): ops.convert_to_numpy(v) for i, v in enumerate(old_layout)}
+
+    loaded = _complemented_adam(wrap)
+    loaded.build([keras.Variable(ops.zeros_like(v)) for v in variables])
+    loaded.load_own_variables(store)
+    assert len(loaded.variables) == len(saved.variables)
+    for mine, theirs in zip(loaded.variables, saved.variables):
+        np.testing.assert_array_equal(ops.convert_to_numpy(mine),
+                                      ops.convert_to_numpy(theirs))
+
+    # Another count is still skipped, with the stock warning.
+    del store[str(len(store) - 1)]
+    with pytest.warns(UserWarning, match="Skipping variable loading"):
+        _complemented_adam(wrap).load_own_variables(store)
+
+
+def test_complements_follow_loaded_betas():
+    # Loaded betas that differ from the config's floats (set on the
+    # variables) give complements computed from the values loaded.
+    optimizer = _complemented_adam(False)
+    optimizer.build([keras.Variable(np.ones((B, 2), "float32"))])
+    complements = {id(c) for _, _, c in optimizer._complements()}
+    old_layout = [v for v in optimizer.variables if id(v) not in complements]
+    store = {str(i): ops.convert_to_numpy(v) for i, v in enumerate(old_layout)}
+    index = next(i for i, v in enumerate(old_layout)
+                 if v is optimizer._hyper_variables["beta_2"])
+    store[str(index)] = np.array([0.5, 0.25, 0.75], "float32")
+    optimizer.load_own_variables(store)
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(optimizer._complement_variables["beta_2"]),
+        np.array([0.5, 0.75, 0.25], "float32"))
+    np.testing.assert_array_equal(
+        ops.convert_to_numpy(optimizer._complement_variables["beta_1"]),
+        (1.0 - np.array([0.9, 0.8, 0.5])).astype("float32"))
