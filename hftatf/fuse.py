@@ -550,24 +550,35 @@ def _batch_axis_refusal(operation, shape):
     whose axes it may not mean)."""
     if shape is None:
         return None
-    ndim = len(shape) + (
-        type(operation).__name__ in _OUTPUT_AXIS_OPERATIONS)
+    kind = type(operation).__name__
+    ndim = len(shape) + (kind in _OUTPUT_AXIS_OPERATIONS)
     if hasattr(operation, "axis"):
         axis = operation.axis
         if axis is None:
             # All axes (a reduction), or the flattened tensor; Squeeze's
             # None squeezes axes of size one only.
-            return (None if type(operation).__name__ == "Squeeze"
+            return (None if kind == "Squeeze"
                     else "acts on all axes, the batch axis included "
                          "(axis=None)")
         axes = axis if isinstance(axis, (list, tuple)) else [axis]
         if any(isinstance(a, int) and a % max(ndim, 1) == 0 for a in axes):
             return f"acts along the batch axis (axis={axis!r})"
     axes = getattr(operation, "axes", None)
-    if type(operation).__name__ == "Transpose" and axes and axes[0] != 0:
+    if kind == "Transpose" and axes and axes[0] != 0:
         return f"moves the batch axis (axes={tuple(axes)!r})"
+    if kind == "BroadcastTo":
+        # Its target names every axis, the batch axis included.
+        return (f"broadcasts to a fixed batch size (shape="
+                f"{tuple(operation.shape)!r}, from {tuple(shape)!r})")
+    if kind == "Tile":
+        repeats = operation.repeats
+        repeats = [repeats] if isinstance(repeats, int) else list(repeats)
+        if len(repeats) > ndim:
+            return f"moves the batch axis (repeats={tuple(repeats)!r})"
+        if len(repeats) == ndim and repeats[0] != 1:
+            return f"repeats the batch (repeats={tuple(repeats)!r})"
     new_shape = getattr(operation, "newshape", None)
-    if type(operation).__name__ == "Reshape" and new_shape is not None:
+    if kind == "Reshape" and new_shape is not None:
         given = list(shape[1:])
         wanted = list(new_shape[1:])
         if None not in given and all(isinstance(d, int) and d >= 0

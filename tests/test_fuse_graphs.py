@@ -115,13 +115,19 @@ def test_raw_operations_on_a_shared_input_run_once():
     (lambda h: ops.transpose(ops.transpose(h, (1, 0, 2)), (1, 0, 2)),
      "moves the batch axis"),
     (lambda h: ops.reshape(h, (-1, 6)), "into the batch axis"),
+    (lambda h: ops.tile(h, (2, 1, 1)), "repeats the batch"),
+    (lambda h: ops.sum(ops.tile(h, (1, 1, 1, 1)), axis=1),
+     "moves the batch axis"),
     (lambda h: h - ops.mean(h, axis=(1, 2), keepdims=True), None),
     (lambda h: ops.reshape(ops.transpose(h, (0, 2, 1)), (-1, 12)), None),
     (lambda h: ops.expand_dims(ops.sum(h, axis=(1, 2)), -1), None),
     (lambda h: ops.squeeze(h[:, :1]), None),
+    (lambda h: ops.tile(h, (1, 2)), None),
 ], ids=["mean_over_batch", "sum_of_all", "concatenate_batches",
-        "transpose_batch", "reshape_into_batch", "mean_per_sample",
-        "transpose_reshape_per_sample", "expand_last", "squeeze"])
+        "transpose_batch", "reshape_into_batch", "tile_batch",
+        "tile_to_new_axis", "mean_per_sample",
+        "transpose_reshape_per_sample", "expand_last", "squeeze",
+        "tile_per_sample"])
 def test_raw_operations_across_the_batch_are_refused(operation, refused):
     # Folded over the models, they would mix the models' samples: an
     # operation on per-model tensors must treat each sample on its own.
@@ -141,6 +147,17 @@ def test_raw_operations_across_the_batch_are_refused(operation, refused):
     if shared.shape[0] is None:  # (A stock model can be built on it.)
         hftatf.fuse(keras.Model(inputs, keras.layers.Dense(1)(
             keras.layers.Flatten()(shared))), 2)
+
+
+def test_broadcast_to_a_fixed_batch_is_refused():
+    # The target names the stock batch size; folded, the batch holds every
+    # model's samples.
+    inputs = keras.Input((1, 3), batch_size=4)
+    hidden = ops.broadcast_to(keras.layers.Dense(3)(inputs), (4, 2, 3))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    model.predict(np.ones((4, 1, 3), "float32"), verbose=0)
+    with pytest.raises(ValueError, match="fixed batch size"):
+        hftatf.fuse(model, 2)
 
 
 def test_fold_checks_the_model_axis():
