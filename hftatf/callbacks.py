@@ -23,6 +23,7 @@ import collections
 import csv
 import os
 import re
+import string
 import uuid
 import warnings
 
@@ -883,6 +884,15 @@ class ModelCheckpoint(PerModelMonitorCallback):
                 "in its stock architecture, but the array was not made by "
                 "hftatf.fuse or hftatf.fuse_models and has none. Fuse the "
                 "stock model with hftatf.fuse to checkpoint its models.")
+        if array.num_models > 1 and "model" not in {
+                re.split(r"[.\[]", field)[0] for _, field, _, _
+                in string.Formatter().parse(self.filepath) if field}:
+            raise ValueError(
+                f"ModelCheckpoint saves each of the {array.num_models} "
+                "models of the array to its own file, so `filepath` must "
+                "name the model with a `{model}` field (e.g. "
+                "'ckpt/model_{model}.keras'); the models would overwrite "
+                f"each other's files. Received: filepath={self.filepath!r}.")
         if len(self.best) != array.num_models:
             self.best = _per_model_arg(
                 "initial_value_threshold", self.initial_value_threshold,
@@ -956,9 +966,11 @@ class ModelCheckpoint(PerModelMonitorCallback):
         return self._stock[1:]
 
     def _save(self, b, stacked, filepath):
+        from hftatf.fuse import set_layer_weights
+
         model, layers = self._stock_model()
         for path, layer in layers:
-            layer.set_weights([w[b] for w in stacked[path]])
+            set_layer_weights(layer, [w[b] for w in stacked[path]])
         directory = os.path.dirname(filepath)
         if directory and not tf.io.gfile.exists(directory):
             tf.io.gfile.makedirs(directory)

@@ -23,7 +23,15 @@ import numpy as np
 import tensorflow as tf
 
 import hftatf
-from hftatf.fuse import _input_structure, fuse, fuse_models, weighted_layers
+from hftatf.callbacks import split_logs
+from hftatf.fuse import (
+    _input_structure,
+    derives_state,
+    finalize_derived_state,
+    fuse,
+    fuse_models,
+    weighted_layers,
+)
 from hftatf.model import FusedModel
 
 # What `export_models` can write for each model.
@@ -39,9 +47,14 @@ INDEX_FILE = "index.json"
 
 
 def model_hyperparameters(optimizer, index):
-    """Model `index`'s optimizer hyper-parameters as a JSON-ready dict."""
+    """Model `index`'s optimizer hyper-parameters as a JSON-ready dict
+    (those of the optimizer a `LossScaleOptimizer` wraps, with
+    `loss_scale: true`)."""
     if optimizer is None:
         return {}
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return {**model_hyperparameters(inner, index), "loss_scale": True}
     values = {"optimizer": type(optimizer).__name__}
     names = getattr(optimizer, "hyperparameter_names", ())
     for name in names:
@@ -56,15 +69,17 @@ def model_hyperparameters(optimizer, index):
     return values
 
 
-def model_metrics(history, index):
-    """Model `index`'s final logged values (`loss`, `val_accuracy`, ...)."""
+def model_metrics(history, index, num_models):
+    """Model `index`'s final logged values (`loss`, `val_accuracy`, ...):
+    the entries logged for each of the `num_models` models
+    (`callbacks.split_logs`), so that the mean of a metric whose own name
+    ends in `_1` is not read as model 1's."""
     if history is None:
         return {}
     logs = getattr(history, "history", history) or {}
-    suffix = f"_{index}"
-    return {key[:-len(suffix)]: float(values[-1])
-            for key, values in logs.items()
-            if key.endswith(suffix) and values}
+    final = {key: values[-1] for key, values in logs.items() if values}
+    per_model, _ = split_logs(final, num_models)
+    return {name: float(values[index]) for name, values in per_model.items()}
 
 
 def model_diverged(array, index):
@@ -151,7 +166,7 @@ def export_models(array, directory, history=None, format=FORMATS):
                 "array": {"name": array.name,
                           "shared_inputs": list(array.shared_inputs)},
                 "hyperparameters": model_hyperparameters(optimizer, b),
-                "metrics": model_metrics(history, b),
+                "metrics": model_metrics(history, b, array.num_models),
                 "diverged": model_diverged(array, b),
                 "files": files,
                 "versions": library_versions(),
@@ -352,6 +367,7 @@ def _restore_checkpoint(config_path, prefix):
         json.loads(config_path.read_text()))
     tf.train.Checkpoint(model=model).read(
         str(prefix)).assert_existing_objects_matched()
+    finalize_derived_state(model)
     return model
 
 
@@ -476,12 +492,20 @@ def _layout_call(array, stock, shared):
 
 def _model_call(array, stock, index):
     """A function computing model `index` alone on shared inputs."""
-    if stock is not None:
+    if stock is not None and not _model_derives_state(stock):
         # Stateless: one stock model serves every index.
         return _bound_call(stock, _variable_map(array, stock, index))
     shared_call = _layout_call(array, None, shared=True)
     return lambda inputs: keras.tree.map_structure(
         lambda y: y[:, index], shared_call(inputs))
+
+
+def _model_derives_state(model):
+    """Whether a layer of `model` computes with state derived from its
+    weights (`hftatf.fuse.finalize_derived_state`), which a stateless call
+    with other weights would not see: such a model is served from the
+    array's outputs instead."""
+    return any(derives_state(layer) for layer in model._flatten_layers())
 
 
 def _variable_map(array, model, index):

@@ -639,6 +639,28 @@ def weighted_layers(model, prefix=""):
     return found
 
 
+def set_layer_weights(layer, weights):
+    """`layer.set_weights(weights)`, then `finalize_derived_state`."""
+    layer.set_weights(weights)
+    finalize_derived_state(layer)
+
+
+def finalize_derived_state(layer):
+    """Derives again the state that layers inside `layer` compute from
+    their weights (an adapted `Normalization` keeps its mean and variance
+    as tensors read from its weights), as loading a saved model does:
+    `set_weights` and checkpoint reads leave it as it was."""
+    for inner in layer._flatten_layers():
+        if derives_state(inner):
+            inner.finalize_state()
+
+
+def derives_state(layer):
+    """Whether `layer` itself keeps state derived from its weights
+    (`finalize_derived_state`)."""
+    return bool(layer.weights) and hasattr(layer, "finalize_state")
+
+
 def unfuse(array):
     """Returns the array's B models as plain Keras models with their weights.
 
@@ -657,7 +679,7 @@ def unfuse(array):
     models = array._stock_models(array.num_models, safe_mode=False)
     for index, model in enumerate(models):
         for path, layer in weighted_layers(model):
-            layer.set_weights([w[index] for w in stacked[path]])
+            set_layer_weights(layer, [w[index] for w in stacked[path]])
     return models
 
 

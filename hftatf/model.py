@@ -360,14 +360,53 @@ def _restore_layer_names(model, config):
             _restore_layer_names(layer, entry)
 
 
-def _set_inner_trainable_flags(model, flags):
-    """Gives the layers of the stock `model` at the paths of `flags`
-    (`FusedModel._inner_trainable_flags`) their `trainable` flags."""
-    from hftatf.fuse import weighted_layers
+def trainable_flags(model, prefix=""):
+    """`{path: flags}` of the graph `model` (an array or a stock model):
+    for each nested functional or Sequential model its own `[trainable]`
+    flag, and for each layer with weights its `trainable` flags and those
+    of the layers inside it (`per_model.trainable_flags`; of the stock
+    layer that a layer run per model holds). Paths are those of
+    `hftatf.fuse.weighted_layers`."""
+    from hftatf.fuse import is_graph_model
 
-    for path, layer in weighted_layers(model):
-        if path in flags:
-            per_model.set_trainable_flags(layer, flags[path])
+    found = {}
+    for layer in model.layers:
+        path = prefix + layer.name
+        if is_graph_model(layer):
+            found[path] = [layer.trainable]
+            found.update(trainable_flags(layer, path + "/"))
+        elif layer.weights:
+            found[path] = per_model.trainable_flags(
+                layer.layer if isinstance(layer, per_model.FusedPerModel)
+                else layer)
+    return found
+
+
+def set_trainable_flags(model, flags, prefix=""):
+    """Gives the layers of the graph `model` the `trainable_flags` of
+    another of its architecture (those at paths `flags` lacks are left
+    alone). A nested model's flag is set before those of the layers inside
+    it, which it hands down to. A layer whose inner layers differ in number
+    from those its flags came from (a fused layer's own) takes its own flag
+    only."""
+    from hftatf.fuse import is_graph_model
+
+    for layer in model.layers:
+        path = prefix + layer.name
+        given = flags.get(path)
+        if given is not None:
+            if len(given) == len(layer._flatten_layers()):
+                per_model.set_trainable_flags(layer, given)
+            else:
+                per_model.set_trainable(layer, given[0])
+        if is_graph_model(layer):
+            set_trainable_flags(layer, flags, path + "/")
+
+
+# Stock layers that XLA cannot compile on a CPU (TensorFlow 2.21), though
+# they set `supports_jit`: `FusedModel._has_layers_without_xla`.
+_LAYERS_WITHOUT_XLA = frozenset(
+    ("AugMix", "CutMix", "MixUp", "RandAugment", "RandomElasticTransform"))
 
 
 def _pass_values(values, roles, start, count):
@@ -492,7 +531,7 @@ class FusedModel(keras.Model):
                 "hftatf.fuse_models, so it has no stock architecture.")
         # Two copies: `_stock_classes` rewrites `source`'s lambdas.
         source, names = self.source_config, self.source_config
-        flags = self._inner_trainable_flags()
+        flags = trainable_flags(self)
         models = []
         with self._stock_classes(source):
             for _ in range(count):
@@ -500,23 +539,9 @@ class FusedModel(keras.Model):
                 model = keras.saving.deserialize_keras_object(
                     copy.deepcopy(source), safe_mode=safe_mode)
                 _restore_layer_names(model, names)
-                _set_inner_trainable_flags(model, flags)
+                set_trainable_flags(model, flags)
                 models.append(model)
         return models
-
-    def _inner_trainable_flags(self):
-        """`{path: flags}` of the layers this array runs per model that
-        have frozen layers inside them (`per_model.trainable_flags`),
-        which their configs do not say."""
-        from hftatf.fuse import weighted_layers
-
-        found = {}
-        for path, layer in weighted_layers(self):
-            if isinstance(layer, per_model.FusedPerModel):
-                flags = per_model.trainable_flags(layer.layer)
-                if not all(flags):
-                    found[path] = flags
-        return found
 
     def _stock_classes(self, config):
         """A scope in which the functions and classes of a script's own
@@ -729,7 +754,7 @@ class FusedModel(keras.Model):
     def _resolve_auto_jit_compile(self):
         if self._distribute_strategy:
             return False
-        if not model_supports_jit(self):
+        if not model_supports_jit(self) or self._has_layers_without_xla():
             return False
         if has_accelerator():
             return True
@@ -746,6 +771,22 @@ class FusedModel(keras.Model):
         return [variable for layer in self._flatten_layers()
                 if getattr(layer, "assigns_weights_in_training", False)
                 for variable in layer.trainable_weights]
+
+    def _has_layers_without_xla(self):
+        """Whether a layer of the array computes with TensorFlow operations
+        that XLA cannot compile, though the layer says it supports XLA
+        (`supports_jit`): resizing other than nearest or bilinear, or with
+        antialiasing or padding to an aspect ratio, and mixing
+        augmentations that draw from a Gamma distribution or transform
+        with dynamic shapes. Stock Keras fails on them with
+        `jit_compile=True` too; `"auto"` leaves XLA off for them."""
+        return any(
+            type(layer).__name__ in _LAYERS_WITHOUT_XLA
+            or getattr(layer, "interpolation", "bilinear") not in (
+                "nearest", "bilinear")
+            or getattr(layer, "antialias", False)
+            or getattr(layer, "pad_to_aspect_ratio", False)
+            for layer in objects.all_layers(self._flatten_layers()))
 
     def _has_convolutions(self):
         layers = list(self._flatten_layers())
@@ -1613,9 +1654,8 @@ class FusedModel(keras.Model):
         else:
             config = {"name": self.name, "trainable": self.trainable,
                       "source": self.source_config}
-            flags = self._inner_trainable_flags()
-            if flags:
-                config["inner_trainable"] = flags
+            # Flags set since fusing are not in the source's config.
+            config["trainable_flags"] = trainable_flags(self)
         config.update(num_models=self.num_models,
                       shared_inputs=list(self._shared_inputs))
         if self._source_json is not None and self._layout != "auto":
@@ -1629,13 +1669,16 @@ class FusedModel(keras.Model):
         shared_inputs = config.pop("shared_inputs", True)
         source = config.pop("source", None)
         layout = config.pop("layout", "auto")
-        inner_trainable = config.pop("inner_trainable", {})
+        # `inner_trainable`: the flags inside layers run per model, as
+        # files saved before `trainable_flags` hold them.
+        flags = config.pop("trainable_flags", None) or config.pop(
+            "inner_trainable", {})
         if source is not None:
             from hftatf.fuse import fuse
 
             stock = keras.saving.deserialize_keras_object(
                 source, custom_objects=custom_objects)
-            _set_inner_trainable_flags(stock, inner_trainable)
+            set_trainable_flags(stock, flags)
             array = fuse(stock, num_models, shared_inputs=shared_inputs,
                          name=config.get("name"), model_class=cls,
                          layout=layout)

@@ -697,6 +697,18 @@ def test_model_checkpoint_argument_errors():
         callbacks.ModelCheckpoint("m.keras", save_freq=10)
 
 
+def test_model_checkpoint_needs_a_file_per_model(tmp_path):
+    # Without `{model}`, the B models would overwrite one file.
+    checkpoint = callbacks.ModelCheckpoint(str(tmp_path / "best.keras"))
+    checkpoint.set_model(make_array())
+    with pytest.raises(ValueError, match="`{model}` field"):
+        checkpoint.on_train_begin()
+    checkpoint = callbacks.ModelCheckpoint(
+        str(tmp_path / "m{model:02d}.keras"))
+    checkpoint.set_model(make_array())
+    checkpoint.on_train_begin()
+
+
 # -- stock callbacks --------------------------------------------------------
 
 

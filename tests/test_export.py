@@ -131,6 +131,26 @@ def test_metadata_records_hyperparameters_metrics_and_versions(exported):
         assert metadata["versions"]["tensorflow"] == tf.__version__
 
 
+def test_metadata_metrics_are_each_models_own():
+    # A metric named `top_1` logs `top_1` (the mean) and `top_1_0`,
+    # `top_1_1`: its mean is not model 1's `top`.
+    history = {"loss": [0.9, 0.4], "loss_0": [1.0, 0.3], "loss_1": [0.8, 0.5],
+               "top_1": [0.4], "top_1_0": [0.3], "top_1_1": [0.5],
+               "val_top_1": [0.2], "val_top_1_0": [0.1],
+               "val_top_1_1": [0.3]}
+    assert hftatf.export.model_metrics(history, 1, 2) == {
+        "loss": 0.5, "top_1": 0.5, "val_top_1": 0.3}
+
+
+def test_metadata_of_a_loss_scaled_optimizer_is_the_inner_ones():
+    optimizer = hftatf.optimizers.LossScaleOptimizer(
+        hftatf.optimizers.Adam([0.1, 0.2], amsgrad=True))
+    hyper = hftatf.export.model_hyperparameters(optimizer, 1)
+    assert hyper["optimizer"] == "Adam"
+    assert hyper["amsgrad"] is True and hyper["loss_scale"] is True
+    assert np.isclose(hyper["learning_rate"], 0.2)
+
+
 def test_divergence_status_is_recorded(tmp_path):
     array = hftatf.fuse(mlp(), NUM_MODELS)
     array.compile(hftatf.optimizers.SGD([0.01, 1e38]),
@@ -231,6 +251,44 @@ def test_export_from_checkpoints_alone_loads_back(tmp_path):
     assert type(again) is Array
     assert again.shared_inputs == (False,)
     assert_same_weights(again.get_weights(), array.get_weights())
+
+
+def test_adapted_normalization_keeps_its_statistics_everywhere(tmp_path):
+    # An adapted Normalization computes with a mean and variance read from
+    # its weights when adapted or loaded from a file, not when its weights
+    # are set: every path from the array to stock models must derive them.
+    rng = np.random.default_rng(5)
+    data = rng.normal(3.0, 2.0, size=(16, 5)).astype("float32")
+
+    def adapted(seed):
+        keras.utils.set_random_seed(seed)
+        x = keras.Input((5,), name="x")
+        normalize = keras.layers.Normalization()
+        normalize.adapt(data + seed)
+        return keras.Model(x, keras.layers.Dense(3)(normalize(x)))
+
+    models = [adapted(b) for b in range(NUM_MODELS)]
+    array = hftatf.fuse_models(models)
+    expected = [model.predict(data, verbose=0) for model in models]
+    predicted = {"unfuse": [m.predict(data, verbose=0)
+                            for m in array.unfuse()]}
+    paths = array.export_models(tmp_path / "models")
+    # (Each loaded SavedModel kept alive while it computes.)
+    saved = [tf.saved_model.load(str(path / "saved_model"))
+             for path in paths]
+    predicted["saved_model"] = [model.serve(data) for model in saved]
+    hftatf.export_models(array, tmp_path / "checkpoints",
+                         format="checkpoint")
+    predicted["checkpoint"] = [
+        m.predict(data, verbose=0)
+        for m in hftatf.load_models(tmp_path / "checkpoints")]
+    served = tf.saved_model.load(
+        str(hftatf.export_serving(array, tmp_path / "serving")))
+    predicted["serving"] = [served.signatures[f"model_{b}"](x=data)[
+        "output_0"] for b in range(NUM_MODELS)]
+    for name, outputs in predicted.items():
+        for b in range(NUM_MODELS):
+            assert_close(outputs[b], expected[b], err_msg=name)
 
 
 def test_cnn_array_round_trips(tmp_path):

@@ -409,3 +409,31 @@ def test_a_layer_set_back_to_trainable_inside_a_frozen_nested_model():
     rng = np.random.default_rng(5)
     trains_like_stock(model, rng.normal(size=(8, 4)).astype("float32"),
                       rng.normal(size=(8, 2)).astype("float32"))
+
+
+def test_trainable_flags_set_after_fusing_are_kept(tmp_path):
+    # Frozen and thawed on the array, after `fuse`: the stock config the
+    # array was made from says otherwise, and every copy of the array
+    # (saved and loaded, selected, unfused) must follow the array.
+    inner = keras.Input((4,))
+    sub = keras.Model(inner, keras.layers.Dense(3, name="thaw")(inner),
+                      name="sub")
+    sub.trainable = False
+    x = keras.Input((4,))
+    hidden = keras.layers.Dense(4, name="freeze")(sub(x))
+    model = keras.Model(x, keras.layers.Dense(2, name="head")(hidden))
+    array = hftatf.fuse(model, 2)
+    array.get_layer("freeze").trainable = False
+    array.get_layer("sub").trainable = True
+
+    def trainable(m):
+        return sorted(w.path.split("/")[-2] + "/" + w.name
+                      for w in m.trainable_weights)
+
+    expected = ["head/bias", "head/kernel", "thaw/bias", "thaw/kernel"]
+    assert trainable(array) == expected
+    array.save(tmp_path / "array.keras")
+    copies = [keras.models.load_model(tmp_path / "array.keras"),
+              array.select([1]), *array.unfuse()]
+    for copy in copies:
+        assert trainable(copy) == expected

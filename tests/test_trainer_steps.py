@@ -207,6 +207,26 @@ def test_auto_jit_compile_on_cpu_skips_convolutions(layer, expected):
     assert array.jit_compile is True
 
 
+@pytest.mark.parametrize("layer, expected", [
+    (lambda: keras.layers.Resizing(4, 4, antialias=True), False),
+    (lambda: keras.layers.Resizing(4, 4, interpolation="bicubic"), False),
+    (lambda: keras.layers.MixUp(), False),
+    (lambda: keras.layers.Resizing(4, 4), True),
+])
+def test_auto_jit_compile_leaves_layers_without_xla_kernels(layer, expected):
+    # They say they support XLA, but XLA cannot compile their operations:
+    # "auto" must not turn it on for them, and the array trains.
+    inputs = keras.Input((6, 6, 2))
+    hidden = keras.layers.GlobalAveragePooling2D()(layer()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    array = hftatf.fuse(model, 2)
+    array.compile("sgd", loss="mse")
+    assert array.jit_compile is expected
+    rng = np.random.default_rng(0)
+    array.fit(rng.normal(size=(4, 6, 6, 2)).astype("float32"),
+              rng.normal(size=(4, 1)).astype("float32"), verbose=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
                     reason="needs a GPU (HFTATF_TEST_GPU=1)")

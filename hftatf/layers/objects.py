@@ -16,7 +16,7 @@ import types
 
 import keras
 
-__all__ = ["live_lambdas", "live_objects", "scope"]
+__all__ = ["all_layers", "live_lambdas", "live_objects", "scope"]
 
 # How deep `live_objects` looks into the objects a layer holds (a layer's
 # initializer holding another initializer is two levels).
@@ -62,7 +62,7 @@ def live_objects(layers):
     their code, excluded), a class by its `__name__`. A name two objects
     share, or a function named like a Keras activation, is left out: Keras
     then says it cannot find it rather than rebuild the wrong one."""
-    layers = list(_layers_inside(layers))
+    layers = list(all_layers(layers))
     found = {}
     clashes = set()
     # The layers are visited at the top level, each once.
@@ -106,7 +106,7 @@ def scope(layers):
     return keras.saving.CustomObjectScope(live_objects(layers))
 
 
-def _layers_inside(layers):
+def all_layers(layers):
     """`layers` and every layer inside them, wrapped layers included."""
     seen = set()
     stack = list(layers)
@@ -129,7 +129,7 @@ def live_lambdas(config, layers):
     them. Rebuilt from its code, a lambda loses its module's globals
     (`lambda x: keras.ops.sin(x)` then fails to find `keras`); the live
     lambda keeps them."""
-    lambdas = {layer.name: layer for layer in _layers_inside(layers)
+    lambdas = {layer.name: layer for layer in all_layers(layers)
                if isinstance(layer, keras.layers.Lambda)}
     found = {}
 

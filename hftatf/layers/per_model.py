@@ -295,7 +295,7 @@ class FusedPerModel(FusedLayer):
         keras.layers.Layer.trainable.fset(self, value)
         if not hasattr(self, "_holder"):
             return  # Keras's constructor sets it first
-        _set_trainable(self.layer, value)
+        set_trainable(self.layer, value)
         self.inner_trainable = None
         for variable, weight in zip(self._stacked, self.layer.weights):
             variable.trainable = weight.trainable
@@ -410,7 +410,7 @@ class FusedPerModel(FusedLayer):
         `trainable` flags, its own and those of the layers inside it (a
         config holds only the layer's own)."""
         if self.inner_trainable is None:
-            _set_trainable(copy, self.trainable)
+            set_trainable(copy, self.trainable)
         else:
             set_trainable_flags(copy, [self.trainable]
                                 + self.inner_trainable)
@@ -552,7 +552,7 @@ class _Holder:
         self.layer = layer
 
 
-def _set_trainable(layer, value):
+def set_trainable(layer, value):
     """Sets `layer.trainable` and hands it down to the layers inside, even
     where the flag is already `value` (where `layer.trainable = value`
     does nothing)."""
@@ -577,7 +577,7 @@ def set_trainable_flags(layer, flags):
     # Outer layers come first, so that each flag set on a layer (and
     # handed down to the layers inside it) is then corrected by theirs.
     for inner_layer, flag in zip(inner, flags):
-        _set_trainable(inner_layer, flag)
+        set_trainable(inner_layer, flag)
 
 
 def _trainable_flags(layer):
