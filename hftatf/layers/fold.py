@@ -57,7 +57,7 @@ PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
     "Concatenate", "Dot",
     # Preprocessing and masking.
     "Rescaling", "Resizing", "CenterCrop", "Masking", "UnitNormalization",
-    "CategoryEncoding", "Discretization", "Hashing",
+    "CategoryEncoding", "Discretization", "Hashing", "HashedCrossing",
     # Data augmentation that draws its transformation per image: each
     # model draws its own transformations.
     "RandomFlip", "RandomRotation", "RandomTranslation", "RandomZoom",
@@ -334,16 +334,20 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
     def _unfold(self, structure):
         return _unfold_tensors(structure, self.num_models, self.models_first)
 
-    def call(self, inputs, training=None, mask=None):
+    def call(self, inputs, training=None, mask=None, **arguments):
+        # `arguments`: the stock layer's other call arguments
+        # (CategoryEncoding's `count_weights`), folded like its inputs.
         if self.models_first and _draws_models_first(self.layer):
             check_model_axis(self.name, self.num_models, tuple(inputs.shape),
                              model_axis_of(True))
             return _dropout_models_first(self.layer, inputs, self.num_models,
                                          training)
-        kwargs = {}
+        kwargs = _fold_tensors(arguments, self.name, self.num_models,
+                               self.models_first)
         if self.layer._call_has_training_arg and training is not None:
             kwargs["training"] = training
-        if _no_mask(mask) and not has_random_state(self.layer):
+        if _no_mask(mask) and not has_random_state(self.layer) and (
+                not arguments):
             per_model = self._per_model_inputs(inputs)
             if per_model is not None:
                 # Stacked by a per-model layer: the stock layer on each

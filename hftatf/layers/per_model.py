@@ -52,7 +52,7 @@ PER_BATCH_LAYERS = tuple(getattr(keras.layers, name) for name in (
 _STATE_OUTSIDE_VARIABLES = tuple(
     getattr(keras.layers, name) for name in (
         "StringLookup", "IntegerLookup", "TextVectorization",
-        "HashedCrossing", "TFSMLayer", "JaxLayer", "FlaxLayer",
+        "TFSMLayer", "JaxLayer", "FlaxLayer",
         "TorchModuleWrapper")
     if hasattr(keras.layers, name))
 

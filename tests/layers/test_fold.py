@@ -151,6 +151,8 @@ CASES = [
     ("Discretization", lambda: keras.layers.Discretization(
         bin_boundaries=[-0.5, 0.0, 0.5]), (4, 3)),
     ("Hashing", lambda: keras.layers.Hashing(7), IntShape((3,), 100)),
+    ("HashedCrossing", lambda: keras.layers.HashedCrossing(
+        9, output_mode="one_hot"), [IntShape((1,), 20), IntShape((1,), 20)]),
     # Random augmentation, compared in inference mode here.
     ("RandomFlip", lambda: keras.layers.RandomFlip(), (4, 4, 2)),
     ("RandomRotation", lambda: keras.layers.RandomRotation(0.2), (4, 4, 2)),
@@ -629,6 +631,26 @@ def test_shared_input_through_the_array_matches_stock_models():
             scalar = tf.reduce_sum(stock(x_t)[..., 0])
         stock_grad += tape.gradient(scalar, x_t).numpy()
     assert_close(fused_grad, stock_grad)
+
+
+def test_other_call_arguments_are_folded_with_the_inputs():
+    # CategoryEncoding's `count_weights`, per-model activations here.
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        ids = keras.Input((4,), dtype="int32")
+        weights = keras.Input((4,))
+        counts = keras.layers.CategoryEncoding(6, output_mode="count")(
+            ids, count_weights=keras.layers.Dense(4)(weights))
+        return keras.Model([ids, weights], keras.layers.Dense(2)(counts))
+
+    models = [build(seed) for seed in range(NUM_MODELS)]
+    array = hftatf.fuse_models(models)
+    rng = np.random.default_rng(4)
+    data = [rng.integers(0, 6, (5, 4)).astype("int32"),
+            rng.standard_normal((5, 4)).astype("float32")]
+    outputs = array.predict(data, verbose=0)
+    for b, model in enumerate(models):
+        assert_close(outputs[:, b], model.predict(data, verbose=0))
 
 
 # Serialization.
