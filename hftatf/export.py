@@ -256,11 +256,14 @@ def _move_into_place(source, target, staging):
 # -- reading an export back -------------------------------------------------
 
 
-def load_models(directory):
+def load_models(directory, custom_objects=None):
     """Returns the plain Keras models written by `export_models`.
 
     Args:
         directory: the directory given to `export_models`.
+        custom_objects: as for `keras.models.load_model`: the functions and
+            classes of your own that the models use and that are not
+            registered with Keras (`{"name": object}`).
 
     Returns:
         A list of B `keras.Model`s in the order of the array's models, with
@@ -269,16 +272,17 @@ def load_models(directory):
         wrote none, from the checkpoint and `config.json`.
     """
     directory = pathlib.Path(directory)
-    return [load_exported_model(directory / entry["path"])
+    return [load_exported_model(directory / entry["path"], custom_objects)
             for entry in _read_index(directory)]
 
 
-def from_exported(directory, **fuse_kwargs):
+def from_exported(directory, custom_objects=None, **fuse_kwargs):
     """Returns the array written by `export_models`, to resume tuning or to
     serve: `hftatf.fuse_models(load_models(directory))`.
 
     Args:
         directory: the directory given to `export_models`.
+        custom_objects: as for `load_models`.
         **fuse_kwargs: arguments of `hftatf.fuse_models` (`shared_inputs`,
             `name`, `model_class`); `shared_inputs` and `name` default to
             the exported array's.
@@ -287,7 +291,8 @@ def from_exported(directory, **fuse_kwargs):
     array = entries[0].get("array", {})
     defaults = {key: array[key] for key in ("shared_inputs", "name")
                 if key in array}
-    return fuse_models(load_models(directory), **{**defaults, **fuse_kwargs})
+    return fuse_models(load_models(directory, custom_objects),
+                       **{**defaults, **fuse_kwargs})
 
 
 def _read_index(directory):
@@ -306,7 +311,7 @@ def _read_index(directory):
     return entries
 
 
-def load_exported_model(path):
+def load_exported_model(path, custom_objects=None):
     """Returns the plain Keras model, with its weights, stored at `path`.
 
     Args:
@@ -314,6 +319,7 @@ def load_exported_model(path):
             `export_models`; or the `saved_model/` directory inside one
             (its weights are read from the `.keras` file or the checkpoint
             next to it).
+        custom_objects: as for `load_models`.
 
     Raises:
         ValueError: for a SavedModel without a Keras model next to it
@@ -323,7 +329,8 @@ def load_exported_model(path):
     path = pathlib.Path(path)
     if path.is_file():
         if path.suffix in (".keras", ".h5", ".hdf5"):
-            return keras.models.load_model(path, compile=False)
+            return keras.models.load_model(
+                path, custom_objects=custom_objects, compile=False)
         raise ValueError(
             f"Cannot load a Keras model from file '{path}': expected a "
             "`.keras` file (or a legacy `.h5` one) or a model directory "
@@ -338,12 +345,14 @@ def load_exported_model(path):
         candidates.append(path.parent)
     for candidate in candidates:
         if (candidate / KERAS_FILE).is_file():
-            return keras.models.load_model(candidate / KERAS_FILE,
-                                           compile=False)
+            return keras.models.load_model(
+                candidate / KERAS_FILE, custom_objects=custom_objects,
+                compile=False)
         checkpoint = candidate / CHECKPOINT_PREFIX
         if (candidate / CONFIG_FILE).is_file() and pathlib.Path(
                 f"{checkpoint}.index").is_file():
-            return _restore_checkpoint(candidate / CONFIG_FILE, checkpoint)
+            return _restore_checkpoint(candidate / CONFIG_FILE, checkpoint,
+                                       custom_objects)
     if is_saved_model:
         raise ValueError(
             f"'{path}' is a SavedModel without a Keras model next to it: a "
@@ -362,9 +371,9 @@ def load_exported_model(path):
         f"{CONFIG_FILE} and a checkpoint) or a SavedModel inside one.")
 
 
-def _restore_checkpoint(config_path, prefix):
+def _restore_checkpoint(config_path, prefix, custom_objects=None):
     model = keras.saving.deserialize_keras_object(
-        json.loads(config_path.read_text()))
+        json.loads(config_path.read_text()), custom_objects=custom_objects)
     tf.train.Checkpoint(model=model).read(
         str(prefix)).assert_existing_objects_matched()
     finalize_derived_state(model)

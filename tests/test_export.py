@@ -291,6 +291,27 @@ def test_adapted_normalization_keeps_its_statistics_everywhere(tmp_path):
             assert_close(outputs[b], expected[b], err_msg=name)
 
 
+def _doubled_relu(x):
+    return 2.0 * keras.ops.relu(x)
+
+
+@pytest.mark.parametrize("format", ["keras", "checkpoint"])
+def test_unregistered_objects_load_with_custom_objects(tmp_path, format):
+    x = keras.Input((5,), name="x")
+    y = keras.layers.Dense(3, activation=_doubled_relu)(x)
+    array = hftatf.fuse(keras.Model(x, y), NUM_MODELS)
+    hftatf.export_models(array, tmp_path, format=format)
+    with pytest.raises(Exception, match="_doubled_relu"):
+        hftatf.load_models(tmp_path)
+    custom = {"_doubled_relu": _doubled_relu}
+    data = np.random.default_rng(0).normal(size=(4, 5)).astype("float32")
+    expected = array.predict(data, verbose=0)
+    for b, model in enumerate(hftatf.load_models(tmp_path, custom)):
+        assert_close(model.predict(data, verbose=0), expected[:, b])
+    again = hftatf.from_exported(tmp_path, custom_objects=custom)
+    assert_close(again.predict(data, verbose=0), expected)
+
+
 def test_cnn_array_round_trips(tmp_path):
     models = [trained_like(cnn, seed) for seed in range(NUM_MODELS)]
     array = hftatf.fuse_models(models)
