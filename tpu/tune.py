@@ -159,7 +159,12 @@ def _settings(flag_values):
         flagged = space.parse(text)
         names = {p.name for p in flagged}
         params = [p for p in params if p.name not in names] + flagged
-    except (OSError, ValueError) as error:
+        # keras-tuner's own checks (e.g. log sampling from 0), before any
+        # work.
+        hp = keras_tuner.HyperParameters()
+        for param in params:
+            param.declare(hp)
+    except (OSError, ValueError, TypeError) as error:
         raise FlagError(f"Bad search space: {error}") from None
     model_args = dict(recipe.model_args)
     if flag_values.model_args:
@@ -192,13 +197,15 @@ def _recipe(name):
         raise FlagError(str(error)) from None
 
 
-def make_hypermodel(recipe, params, model_args, optimizer, seed=None):
+def make_hypermodel(recipe, params, model_args, optimizer, seed=None,
+                    objective=None):
     """A `build(hp)` for keras-tuner: the recipe's model with the space's
     builder arguments, compiled with the space's optimizer arguments.
 
     Raises:
         FlagError: for a name that neither the builder nor the optimizer
-            takes (checked by building once with the defaults).
+            takes, or an `objective` (a log entry's name) that the model
+            does not log (checked by building once with the defaults).
     """
     builder_args = set(inspect.signature(recipe.build).parameters)
 
@@ -231,8 +238,38 @@ def make_hypermodel(recipe, params, model_args, optimizer, seed=None):
                       loss=recipe.loss, metrics=list(recipe.metrics))
         return model
 
-    build(keras_tuner.HyperParameters())
+    model = build(keras_tuner.HyperParameters())
+    # A recipe's own array class (a GAN's) logs what its steps say.
+    names = None if recipe.model_class else _logged_names(model)
+    if objective is not None and names is not None and (
+            objective not in names):
+        raise FlagError(
+            f"--objective={objective} is not logged by the "
+            f"'{recipe.name}' model; it logs {', '.join(names)}.")
     return build
+
+
+def _logged_names(model):
+    """The log entries that a `fit` of the compiled `model` with validation
+    data writes, or None where they cannot be told before training (a
+    custom `train_step`, several outputs, metrics per output)."""
+    if type(model).train_step is not keras.Model.train_step or len(
+            getattr(model, "outputs", None) or ()) != 1:
+        return None
+    config = model.get_compile_config() or {}
+    if not config.get("loss"):
+        return None
+    names = ["loss"]
+    for key in ("metrics", "weighted_metrics"):
+        for metric in config.get(key) or ():
+            if isinstance(metric, str):
+                names.append(metric)
+            elif isinstance(metric, dict) and "name" in metric.get(
+                    "config", {}):
+                names.append(metric["config"]["name"])
+            else:
+                return None
+    return names + [f"val_{name}" for name in names]
 
 
 def _optimizer_class(name):
@@ -255,7 +292,7 @@ def make_tuner(settings, flag_values):
         settings["recipe"], settings["params"], settings["model_args"],
         settings["optimizer"],
         seed=flag_values.seed if flag_values.executions_per_trial == 1
-        else None)
+        else None, objective=settings["objective"].name)
     common = dict(
         hypermodel=hypermodel, objective=settings["objective"],
         seed=flag_values.seed, num_models=settings["num_models"],

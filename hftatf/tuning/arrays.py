@@ -18,7 +18,7 @@ import numpy as np
 
 import hftatf
 from hftatf import optimizers as fused_optimizers
-from hftatf.fuse import _architecture, weighted_layers
+from hftatf.fuse import _architecture, set_layer_weights, weighted_layers
 
 # Compile arguments that the array decides for itself: the optimizer is
 # built per model, and a stock model's `jit_compile` is already resolved
@@ -161,17 +161,44 @@ def continue_models(sources, models, optimizers, jit_compile="auto"):
     return array
 
 
-def reusable(array, optimizers):
-    """Whether `reload` can give `array` new models with `optimizers`:
-    its optimizer is a plain fused optimizer (no loss-scaling wrapper)
-    without learning-rate schedules, which are traced into its step."""
+def reusable(array, optimizers=None):
+    """Whether `reload` can give `array` new models with `optimizers`
+    (their trial optimizers, one per model of the array).
+
+    The array's optimizer must be a plain fused optimizer (no loss-scaling
+    wrapper) without learning-rate schedules, which are traced into its
+    step, and build the same variables as the new models' optimizer would:
+    an SGD whose models all had momentum 0, for one, has no momentum slots
+    for new models with momentum. With `optimizers=None`, whether the array
+    can take new models at all.
+    """
     optimizer = array.optimizer
-    return (isinstance(optimizer, fused_optimizers.FusedOptimizer)
-            and type(optimizer) is type(optimizers[0])
+    if not (isinstance(optimizer, fused_optimizers.FusedOptimizer)
             and not optimizer._learning_rate_schedules()
+            and not array.diverged_models.any()):
+        return False
+    if optimizers is None:
+        return True
+    return (len(optimizers) == array.num_models
+            and type(optimizer) is type(optimizers[0])
             and all(optimizer_structure(o)["config"]["learning_rate"]
                     == "float" for o in optimizers)
-            and not array.diverged_models.any())
+            and _variables(_fresh_optimizer(array, optimizers))
+            == _variables(optimizer))
+
+
+def _fresh_optimizer(array, optimizers):
+    """The optimizer `fuse_trials` would give `array`'s variables for
+    `optimizers`, built."""
+    fresh = combine_optimizers(optimizers)
+    fresh.build(array.trainable_variables)
+    return fresh
+
+
+def _variables(optimizer):
+    """What `reload` needs two optimizers to share: their variables'
+    names, shapes and dtypes, in order."""
+    return [(v.name, tuple(v.shape), v.dtype) for v in optimizer.variables]
 
 
 def reload(array, models, optimizers):
@@ -180,8 +207,8 @@ def reload(array, models, optimizers):
     `fuse_trials(models, optimizers)` would build it, keeping the array's
     traced (and compiled) steps: no tracing or XLA compilation again.
 
-    Only for arrays that `reusable` accepts, with `models` of the group
-    the array was built for (`group_key`).
+    Only for arrays that `reusable(array, optimizers)` accepts, with
+    `models` of the group the array was built for (`group_key`).
     """
     if len(models) != array.num_models:
         raise ValueError(
@@ -191,13 +218,14 @@ def reload(array, models, optimizers):
     for position, (_, layer) in enumerate(weighted_layers(array)):
         weights = [layers[position][1].get_weights() for layers in per_model]
         layer.set_weights([np.stack(w) for w in zip(*weights)])
-    fresh = combine_optimizers(optimizers)
-    fresh.build(array.trainable_variables)
-    if len(fresh.variables) != len(array.optimizer.variables):
+    fresh = _fresh_optimizer(array, optimizers)
+    if _variables(fresh) != _variables(array.optimizer):
         raise ValueError(
             f"Cannot reload array '{array.name}': a new "
             f"{type(fresh).__name__} has {len(fresh.variables)} variables "
-            f"where the array's has {len(array.optimizer.variables)}.")
+            f"where the array's has {len(array.optimizer.variables)}, or "
+            "they differ in names or shapes. Check `reusable(array, "
+            "optimizers)` first.")
     # Step counts, slots and hyper-parameter variables start anew.
     for old, new in zip(array.optimizer.variables, fresh.variables):
         old.assign(new)
@@ -253,4 +281,4 @@ def set_model(model, stacked, index):
             f"Model '{model.name}' has {len(layers)} layers with weights; "
             f"the array has {len(stacked)}.")
     for (_, layer), weights in zip(layers, stacked):
-        layer.set_weights([np.asarray(w[index]) for w in weights])
+        set_layer_weights(layer, [np.asarray(w[index]) for w in weights])

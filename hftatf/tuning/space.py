@@ -11,8 +11,12 @@ One hyper-parameter per entry, `name=kind:arguments`, entries separated by
   `reverse_log`;
 - `int:MIN:MAX[:STEP[:SAMPLING]]`;
 - `choice:V1,V2,...`, values read as JSON where they parse (numbers,
-  `true`/`false`, lists such as `[128,64]`), as strings otherwise;
+  `true`/`false`, lists such as `[128,64]`), as strings otherwise; all of
+  one kind (numbers, strings, booleans or lists), ints among floats read
+  as floats (`choice:0,0.9` is 0.0 or 0.9);
 - `boolean`; `fixed:VALUE`.
+
+A STEP must be positive.
 
 The same space as YAML (or JSON), one mapping per hyper-parameter with the
 arguments of its `keras_tuner.HyperParameters` method:
@@ -80,10 +84,38 @@ class Param:
                     f"Hyper-parameter '{self.name}' has sampling "
                     f"{self.sampling!r}; expected one of "
                     f"{', '.join(_SAMPLINGS)}.")
-        if self.kind == "choice" and not self.values:
+            if self.step is not None and not self.step > 0:
+                raise ValueError(
+                    f"Hyper-parameter '{self.name}' ({self.kind}) needs a "
+                    f"step > 0, or none. Received: step={self.step!r}.")
+        if self.kind == "choice":
+            self._standardize_values()
+        if self.kind == "fixed" and self.value in (None, ""):
+            raise ValueError(
+                f"Hyper-parameter '{self.name}' is fixed without a value; "
+                "give one, e.g. fixed:relu or {type: fixed, value: relu}.")
+
+    def _standardize_values(self):
+        """Makes a choice's values one type, as keras-tuner's `Choice`
+        takes them: ints among floats become floats (`choice:0,0.9`)."""
+        if not self.values:
             raise ValueError(
                 f"Hyper-parameter '{self.name}' is a choice without values; "
                 "give at least one, e.g. choice:0.1,0.01.")
+        types = {"list" if isinstance(v, (list, tuple)) else type(v).__name__
+                 for v in self.values}
+        if types == {"int", "float"}:
+            object.__setattr__(self, "values",
+                               tuple(float(v) for v in self.values))
+            if isinstance(self.default, int) and not isinstance(
+                    self.default, bool):
+                object.__setattr__(self, "default", float(self.default))
+        elif len(types) > 1:
+            raise ValueError(
+                f"Hyper-parameter '{self.name}' is a choice among values of "
+                f"different types ({', '.join(sorted(types))}): "
+                f"{list(self.values)}. A choice takes values of one type: "
+                "all numbers, all strings, all booleans or all lists.")
 
     def declare(self, hp):
         """Declares this hyper-parameter on `hp` (a

@@ -12,11 +12,13 @@ keras-tuner's distributed mode all behave as with stock keras-tuner.
 
 import collections
 import dataclasses
+import sys
 import time
 import traceback
 
 import keras
 import keras_tuner
+from keras_tuner.src import config as tuner_config
 from keras_tuner.src import errors as tuner_errors
 from keras_tuner.src import utils as tuner_utils_io
 from keras_tuner.src.distribute import utils as dist_utils
@@ -137,7 +139,9 @@ class FusedTuner(keras_tuner.Tuner):
             are dropped. A later round's trials of the same group then
             reuse the array (new weights, new optimizer state) without
             tracing or compiling its steps again, which is most of the cost
-            of short trials; False builds arrays of the exact group size.
+            of short trials, where their optimizer builds the same variables
+            (an SGD whose models all had momentum 0 has no momentum slots);
+            False builds arrays of the exact group size.
         keep_arrays: how many trained arrays to keep in memory: for
             Hyperband's successive halving to continue from (0: always load
             the saved weights), and for later rounds to reuse.
@@ -293,6 +297,7 @@ class FusedTuner(keras_tuner.Tuner):
         objective = self.oracle.objective
         tuner_utils.validate_trial_results(histories, objective,
                                            "FusedTuner.run_trial()")
+        _check_objective(objective, histories)
         self.oracle.update_trial(
             trial.trial_id,
             tuner_utils.convert_to_metrics_dict(histories, objective),
@@ -301,9 +306,14 @@ class FusedTuner(keras_tuner.Tuner):
 
     @staticmethod
     def _fail(trial, error, message):
-        """Marks `trial` as stock keras-tuner marks a trial that raised."""
+        """Marks `trial` as stock keras-tuner marks a trial that raised,
+        and prints the traceback `message` as stock keras-tuner prints it
+        (unless `keras_tuner.config.DEBUG` is off)."""
         if isinstance(error, tuner_errors.FatalError):
             raise error
+        if tuner_config.DEBUG:
+            print(f"Trial {trial.trial_id} failed:\n{message}",
+                  file=sys.stderr)
         trial.status = (trial_module.TrialStatus.FAILED if isinstance(
             error, tuner_errors.FailedTrialError)
             else trial_module.TrialStatus.INVALID)
@@ -459,8 +469,7 @@ class FusedTuner(keras_tuner.Tuner):
 
     def _release(self, array, key):
         """Pools a trained array for later groups of `key`."""
-        if self.keep_arrays == 0 or not arrays.reusable(
-                array, [array.optimizer]):
+        if self.keep_arrays == 0 or not arrays.reusable(array):
             return
         self._pool[id(array)] = (key, array)
         while len(self._pool) > self.keep_arrays:
@@ -492,6 +501,17 @@ def _resolve_jit_compile(jit_compile):
     if jit_compile != "auto":
         return jit_compile
     return "auto" if has_accelerator() else False
+
+
+def _check_objective(objective, histories):
+    """Raises a clear error where a trial's training never logged the
+    objective (a misspelt metric name), which would fail every trial."""
+    for history in histories:
+        if history.history and not objective.has_value(history.history):
+            raise tuner_errors.FatalValueError(
+                f"The objective {objective.name!r} is not among the logs of "
+                f"the trials' training: {', '.join(history.history)}. Pass "
+                "one of these (or an `Objective` of them) as `objective`.")
 
 
 def _continuable(group):

@@ -94,6 +94,8 @@ def test_distributed_flags_set_keras_tuners_variables():
     (["--max_trials=0"], "max_trials"),
     (["--model=nope"], "Unknown zoo model"),
     (["--search_space=learning_rate=float:1"], "Bad search space"),
+    (["--search_space=momentum=choice:0,fast"], "'momentum'.*types"),
+    (["--search_space=learning_rate=float:0:1:log"], "Bad search space"),
     (["--model_args=[1"], "JSON"),
     (["--tuner_id=w1"], "go together"),
     (["--tuner_id=w1", "--oracle_address=nohost"], "host:port"),
@@ -106,6 +108,32 @@ def test_bad_flags_fail_before_any_work(args, message):
     with pytest.raises(tune.FlagError, match=message):
         tune._settings(flag_values)
         tune.distributed_environment(flag_values)
+
+
+def test_documented_space_of_ints_and_floats_builds(tmp_path):
+    flag_values = parsed(
+        "--search_space=learning_rate=float:1e-3:0.3:log;"
+        "momentum=choice:0,0.9", f"--directory={tmp_path}")
+    settings = tune._settings(flag_values)
+    tuner = tune.make_tuner(settings, flag_values)
+    hp = keras_tuner.HyperParameters()
+    hp.values.update({"momentum": 0.9})
+    model = tuner.hypermodel.build(hp)
+    assert model.optimizer.get_config()["momentum"] == pytest.approx(0.9)
+
+
+def test_space_file_of_wrong_types_is_a_flag_error(tmp_path):
+    path = tmp_path / "space.json"
+    path.write_text(json.dumps({"learning_rate": {
+        "type": "float", "min_value": "small", "max_value": 0.1}}))
+    with pytest.raises(tune.FlagError, match="Bad search space"):
+        tune._settings(parsed(f"--search_space_file={path}"))
+
+
+def test_objective_the_model_does_not_log_is_a_flag_error(tmp_path):
+    flag_values = parsed("--objective=val_acc", f"--directory={tmp_path}")
+    with pytest.raises(tune.FlagError, match="val_acc.*val_accuracy"):
+        tune.make_tuner(tune._settings(flag_values), flag_values)
 
 
 def test_unknown_hyperparameter_name_is_a_flag_error():

@@ -151,12 +151,24 @@ def test_reloaded_array_trains_new_trials_without_retracing():
 def test_array_with_a_diverged_model_is_not_reused():
     array = fused(trials([keras.optimizers.SGD(1e-2)] * 2))
     array.train_on_batch(X, Y)
-    assert arrays.reusable(array, [array.optimizer])
+    assert arrays.reusable(array)
     array.set_model_weights(1, [np.full_like(w, np.nan)
                                 for w in array.get_model_weights(1)])
     array.train_on_batch(X, Y)
     assert array.diverged_models[1]
-    assert not arrays.reusable(array, [array.optimizer])
+    assert not arrays.reusable(array)
+
+
+def test_array_without_momentum_slots_is_not_reused_for_momentum():
+    array = fused(trials([keras.optimizers.SGD(1e-2)] * 2))
+    array.train_on_batch(X, Y)
+    plain = [keras.optimizers.SGD(3e-2), keras.optimizers.SGD(1e-3)]
+    momentum = [keras.optimizers.SGD(1e-2, momentum=0.9),
+                keras.optimizers.SGD(1e-2)]
+    for optimizers, reused in ((plain, True), (momentum, False)):
+        new = trials(optimizers)
+        assert arrays.reusable(
+            array, [arrays.trial_optimizer(m) for m in new]) is reused
 
 
 def continued_steps(array, steps):

@@ -251,7 +251,8 @@ def test_hyperband_without_kept_arrays_loads_the_saved_weights(tmp_path):
     assert all(t.status == "COMPLETED" for t in done)
 
 
-def test_trial_whose_model_cannot_train_fails_as_in_stock(tmp_path):
+def test_trial_whose_model_cannot_train_fails_as_in_stock(tmp_path,
+                                                          capsys):
     def uncompiled(hp):
         hp.Float("learning_rate", 1e-3, 1e-1)
         return keras.Sequential([keras.Input((8, 8)), keras.layers.Flatten(),
@@ -263,6 +264,43 @@ def test_trial_whose_model_cannot_train_fails_as_in_stock(tmp_path):
     (trial,) = trials(tuner)
     assert trial.status == "FAILED"
     assert "not compiled" in trial.message
+    # Printed too, as stock keras-tuner prints it (keras_tuner.config.DEBUG).
+    assert "not compiled" in capsys.readouterr().err
+
+
+def momentum_build(hp):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8)), keras.layers.Flatten(),
+                              keras.layers.Dense(10, activation="softmax")])
+    momentum = hp.Choice("momentum", [0.0, 0.9])
+    model.compile(optimizer=keras.optimizers.SGD(
+        hp.Choice("learning_rate", [0.1, 0.01]), momentum=momentum),
+        loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_later_round_with_momentum_gets_an_array_with_its_slots(tmp_path):
+    oracle = keras_tuner.oracles.GridSearchOracle(objective="val_loss")
+    tuner = tuning.FusedTuner(oracle, momentum_build, num_models=2,
+                              directory=str(tmp_path))
+    tuner.search(X[:64], Y[:64], epochs=1, verbose=0,
+                 validation_data=(X_VAL[:32], Y_VAL[:32]))
+    done = trials(tuner)
+    # The first round's array has no momentum slots; the second round's
+    # trials, of the same group, need them.
+    assert [t.hyperparameters["momentum"] for t in done] == [0, 0, 0.9, 0.9]
+    assert all(t.status == "COMPLETED" for t in done), [
+        t.message for t in done]
+
+
+def test_objective_the_trials_never_log_is_a_clear_error(tmp_path):
+    tuner = tuning.FusedRandomSearch(
+        build, objective=keras_tuner.Objective("val_acc", "max"),
+        max_trials=1, num_models=1, directory=str(tmp_path))
+    with pytest.raises(ValueError, match="'val_acc' is not among.*"
+                       "val_accuracy"):
+        tuner.search(X[:32], Y[:32], epochs=1, verbose=0,
+                     validation_data=(X_VAL[:32], Y_VAL[:32]))
 
 
 class CustomFit(keras_tuner.HyperModel):

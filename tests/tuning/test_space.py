@@ -35,6 +35,16 @@ def test_every_kind_reads_from_text():
     assert values["use_bias"] is False and values["momentum"] == 0.9
 
 
+def test_ints_among_floats_are_a_choice_of_floats():
+    (text,) = space.parse("momentum=choice:0,0.9")
+    (mapping,) = space.from_mapping(
+        {"momentum": {"type": "choice", "values": [0, 0.9], "default": 0}})
+    assert text.values == mapping.values == (0.0, 0.9)
+    assert all(type(v) is float for v in text.values)
+    _, values = declared([mapping])
+    assert values["momentum"] == 0.0 and type(values["momentum"]) is float
+
+
 def test_trial_values_decode_back_to_lists():
     (param,) = space.parse("hidden_units=choice:[32],[64,32]")
     assert param.decode("[64, 32]") == [64, 32]
@@ -77,6 +87,11 @@ def test_json_file_reads_without_yaml(tmp_path):
     ("x=gaussian:0:1", "unknown type"),
     ("x=boolean:true", "no arguments"),
     ("x=fixed:1;x=fixed:2", "more than once"),
+    ("x=float:0.1:0.2:linear:0", "step > 0"),
+    ("x=int:1:4:-1", "step > 0"),
+    ("x=fixed:", "without a value"),
+    ("x=choice:[64],32", r"different types \(int, list\)"),
+    ("x=choice:relu,0.5", r"different types \(float, str\)"),
 ])
 def test_bad_text_is_a_clear_error(text, message):
     with pytest.raises(ValueError, match=message):
@@ -88,6 +103,8 @@ def test_bad_text_is_a_clear_error(text, message):
     ({"x": 3}, "'type'"),
     ({"x": {"type": "float", "min_value": 0, "max_value": 1, "lo": 2}},
      "unknown keys"),
+    ({"x": {"type": "choice", "values": [True, 1]}}, "'x'.*different types"),
+    ({"x": {"type": "fixed"}}, "without a value"),
 ])
 def test_bad_mapping_is_a_clear_error(mapping, message):
     with pytest.raises(ValueError, match=message):
