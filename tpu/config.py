@@ -87,7 +87,8 @@ class Config:
             from `data_dir` (`tfds:` may prefix it).
         validation_dataset: TFRecord files of the validation set, for a
             TFRecord `dataset` (None: no validation).
-        data_dir: the tensorflow-datasets data directory.
+        data_dir: the tensorflow-datasets data directory, for a
+            tensorflow-datasets `dataset`.
         data_args: arguments of the data recipe, over its defaults (e.g.
             `image_size`, `augment`, `samples_per_shape`).
 
@@ -114,7 +115,8 @@ class Config:
         steps_per_execution: steps per compiled call.
         mixed_precision: a Keras dtype policy name.
         jit_compile: `"auto"`, True or False (XLA; always on on TPUs).
-        seed: seeds the models' initialisation, the data and dropout.
+        seed: seeds the models' initialisation, the data and dropout
+            (0 to 2**32 - 1).
         deterministic: whether to enable TensorFlow's op determinism.
 
     Outputs:
@@ -235,9 +237,10 @@ class Config:
             raise ConfigError(
                 "--eval_steps must be an integer >= 0 (0: no validation). "
                 f"Received: {self.eval_steps!r}.")
-        if _not_int(self.seed):
+        if _not_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ConfigError(
-                f"--seed must be an integer. Received: {self.seed!r}.")
+                "--seed must be an integer from 0 to 2**32 - 1 (numpy's "
+                f"seeds). Received: {self.seed!r}.")
         if self.train_steps is not None and (
                 self.train_steps % self.steps_per_execution):
             raise ConfigError(
@@ -264,10 +267,20 @@ class Config:
                 f"{self.schedule!r} schedule; it takes "
                 f"{', '.join(SCHEDULE_ARGS[self.schedule])}.")
         for key, value in self.schedule_args.items():
-            if key != "staircase" and (not _is_number(value) or value < 0):
+            if key == "staircase":
+                if not isinstance(value, bool):
+                    raise ConfigError(
+                        "--schedule_args staircase must be true or false. "
+                        f"Received: {value!r}.")
+            elif not _is_number(value) or value < 0:
                 raise ConfigError(
                     f"--schedule_args {key} must be a number >= 0. "
                     f"Received: {value!r}.")
+        if self.schedule_args.get("decay_epochs", 1) <= 0:
+            raise ConfigError(
+                "--schedule_args decay_epochs must be > 0 (the rate decays "
+                "every decay_epochs epochs). Received: "
+                f"{self.schedule_args['decay_epochs']!r}.")
         _check_builder_args("model_args", recipe.build, self.model_args,
                             self.model)
         self.array_plan()
@@ -648,7 +661,12 @@ def _normalize(name, value, source):
         return parse_grid(value)
     if name in MAPPINGS:
         mapping = parse_mapping(value, name)
-        return {str(k): _plain(v) for k, v in mapping.items()}
+        mapping = {str(k): _plain(v) for k, v in mapping.items()}
+        if name == "schedule_args" and "staircase" in mapping:
+            # A YAML string "false" is no True (`validate` refuses what is
+            # neither a bool nor true/false).
+            mapping["staircase"] = _boolean(mapping["staircase"])
+        return mapping
     if name == "jit_compile":
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
@@ -658,9 +676,7 @@ def _normalize(name, value, source):
                 f"{value!r} in {source}.")
         return value
     if name == "deterministic":
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        return value
+        return _boolean(value)
     if name in ("batch_size", "epochs", "train_steps", "eval_steps",
                 "steps_per_execution", "num_models", "seed", "verbose"):
         if isinstance(value, str):
@@ -676,6 +692,13 @@ def _normalize(name, value, source):
     if name in ("tpu", "zone", "project", "dataset", "validation_dataset",
                 "data_dir", "optimizer") and value == "":
         return None
+    return value
+
+
+def _boolean(value):
+    """`value`, with the strings true and false (any case) as bools."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
     return value
 
 

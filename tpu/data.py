@@ -65,25 +65,56 @@ def resolve(config, recipe):
     Raises:
         ConfigError: for a dataset that is neither a zoo recipe, nor
             existing TFRecord files, nor a tensorflow-datasets name with
-            `--data_dir`, or data arguments the loader does not take.
+            `--data_dir` (and tensorflow-datasets installed), for
+            `--validation_dataset` without TFRecord files or `--data_dir`
+            without a tensorflow-datasets name (they would be ignored), or
+            data arguments the loader does not take.
     """
-    name = config.dataset
-    if name is None or name == recipe.name:
-        return _recipe_source(recipe, config)
-    if name.startswith(TFDS_PREFIX):
-        return _tfds_source(name[len(TFDS_PREFIX):], recipe, config)
-    if name.startswith(TFRECORD_PREFIX):
-        return _tfrecord_source(name[len(TFRECORD_PREFIX):], recipe, config)
-    if name in recipes.names():
+    kind, name = _kind(config.dataset, recipe, config)
+    if config.validation_dataset is not None and kind != "tfrecord":
+        raise ConfigError(
+            f"--validation_dataset={config.validation_dataset} goes with "
+            f"TFRecord files in --dataset, but the training data is "
+            f"{_described(kind, name)}, which brings its own validation "
+            "set. Leave --validation_dataset out, or pass the training "
+            "files as --dataset.")
+    if config.data_dir is not None and kind != "tfds":
+        raise ConfigError(
+            f"--data_dir={config.data_dir} is where tensorflow-datasets "
+            f"data is read from, but the training data is "
+            f"{_described(kind, name)}. Leave --data_dir out, or name a "
+            "tensorflow-datasets dataset with --dataset.")
+    if kind == "recipe":
         return _recipe_source(recipes.get(name), config)
-    if _looks_like_files(name):
+    if kind == "tfrecord":
         return _tfrecord_source(name, recipe, config)
+    return _tfds_source(name, recipe, config)
+
+
+def _kind(name, recipe, config):
+    """`(kind, name)` of `--dataset=name`: `"recipe"`, `"tfrecord"` or
+    `"tfds"`, and the name without its prefix."""
+    if name is None:
+        return "recipe", recipe.name
+    if name.startswith(TFDS_PREFIX):
+        return "tfds", name[len(TFDS_PREFIX):]
+    if name.startswith(TFRECORD_PREFIX):
+        return "tfrecord", name[len(TFRECORD_PREFIX):]
+    if name in recipes.names():
+        return "recipe", name
+    if _looks_like_files(name):
+        return "tfrecord", name
     if config.data_dir:
-        return _tfds_source(name, recipe, config)
+        return "tfds", name
     raise ConfigError(
         f"--dataset={name!r} is not a zoo recipe ({', '.join(recipes.names())}"
         "), not a TFRecord file name or glob, and there is no --data_dir to "
         "read it from as a tensorflow-datasets name. Pass one of those.")
+
+
+def _described(kind, name):
+    return {"recipe": "the zoo recipe", "tfrecord": "the TFRecord files",
+            "tfds": "the tensorflow-datasets dataset"}[kind] + f" {name!r}"
 
 
 def _looks_like_files(name):
@@ -204,6 +235,13 @@ def _tfds_source(name, recipe, config):
         raise ConfigError(
             f"tensorflow-datasets data is read as images; model "
             f"{recipe.name!r} needs point clouds.")
+    try:
+        import tensorflow_datasets  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"--dataset={name} is a tensorflow-datasets name, and reading it "
+            "needs tensorflow-datasets, which is not installed: pip install "
+            "tensorflow-datasets.") from None
     loader = zoo_data.tfds_images
     names = inspect.signature(loader).parameters
     args = {k: v for k, v in recipe.data_args.items() if k in names} | (
@@ -313,6 +351,9 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
 
     Returns:
         An `Inputs`.
+
+    Raises:
+        ConfigError: where a training shard holds not one step.
     """
     replicas = strategy.num_replicas_in_sync
     batch = per_replica_batch_size(global_batch_size, replicas)
@@ -345,7 +386,20 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
                             "validate.", message)
         return whole
 
+    def check_one_step(datasets):
+        """Raises unless every shard holds one step (the stream repeats it:
+        reading its first batches is enough, not a pass)."""
+        smallest = min(count_batches(dataset.take(local))
+                       for dataset in datasets)
+        if smallest < local:
+            raise ConfigError(
+                f"The training set ({source.description}) has {smallest} "
+                f"batches of {batch} per input pipeline: not one step of "
+                f"{local} replica batches. Lower --batch_size.")
+
     passes = [one_pass(context) for context in contexts]
+    if train_steps:
+        check_one_step([train for train, _ in passes])
     steps_per_epoch = train_steps or whole_steps(
         [train for train, _ in passes], "training")
     if passes[0][1] is None or eval_steps == 0:

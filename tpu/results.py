@@ -88,7 +88,8 @@ def metric_names(history, exclude=()):
 
 def model_results(history, hyperparameters, diverged=None):
     """One dict per model: `model`, its hyper-parameters, the last value of
-    each logged quantity, and `status` (`"diverged"` or `"ok"`).
+    each logged quantity, and `status` (`"diverged"` or `"ok"`). Validation
+    quantities without a value (a run without validation) are left out.
 
     Args:
         history: a Keras-style history dict (`read_history`).
@@ -109,19 +110,35 @@ def model_results(history, hyperparameters, diverged=None):
         if diverged is not None:
             row["status"] = "diverged" if diverged[b] else "ok"
         rows.append(row)
+    empty = [name for name in names if name.startswith("val_")
+             and all(math.isnan(row[name]) for row in rows)]
+    for row in rows:
+        for name in empty:
+            del row[name]
     return rows
+
+
+def best_monitor(rows, monitor, mode):
+    """`(monitor, mode)`, or `("loss", "min")` where no row has a finite
+    value of `monitor` (not logged, or a run without validation)."""
+    if any(_finite(row.get(monitor)) for row in rows):
+        return monitor, mode
+    return "loss", "min"
+
+
+def _finite(value):
+    return isinstance(value, float) and math.isfinite(value)
 
 
 def best_model(rows, monitor, mode):
     """The row of the best model by `monitor` (`mode` "max" or "min");
-    `loss` where `monitor` was not logged; None without finite values."""
+    by `loss` where `monitor` has no finite value (`best_monitor`); None
+    without finite values."""
     if not rows:
         return None
-    if monitor not in rows[0]:
-        monitor, mode = "loss", "min"
-    finite = [row for row in rows if isinstance(row.get(monitor), float)
-              and math.isfinite(row[monitor]) and row.get(
-                  "status") != "diverged"]
+    monitor, mode = best_monitor(rows, monitor, mode)
+    finite = [row for row in rows if _finite(row.get(monitor))
+              and row.get("status") != "diverged"]
     if not finite:
         return None
     choose = max if mode == "max" else min
@@ -177,7 +194,9 @@ def plot_losses(history, labels, path):
     # Every per-model loss: `loss` and `val_loss`, or a GAN's `d_loss`,
     # `g_loss`, ...
     panels = [name for name in metric_names(history)
-              if name.endswith("loss")]
+              if name.endswith("loss") and any(
+                  _finite(value) for key, values in history.items()
+                  if key.rpartition("_")[0] == name for value in values)]
     if not panels:
         return None
     columns = min(2, len(panels))

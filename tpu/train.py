@@ -204,7 +204,10 @@ class Run:
             those before a resumption included.
         results: one dict per model (hyper-parameters, final values,
             status), as in `results.csv`.
-        best: the best model's row by the recipe's monitor, or None.
+        best: the best model's row by `best_by`, or None.
+        best_by: the value `best` was chosen by: the recipe's monitor, or
+            the training `loss` where the monitor has no values (e.g.
+            without validation).
         model_dir: the run's directory.
         export_dir: where the models were exported, or None.
         hyperparameters: the names of the hyper-parameters in `results`.
@@ -217,6 +220,7 @@ class Run:
     history: dict
     results: list
     best: dict | None
+    best_by: str
     model_dir: pathlib.Path
     export_dir: pathlib.Path | None
     hyperparameters: list
@@ -239,21 +243,23 @@ def train(config, callbacks=()):
     Raises:
         ConfigError: before any training, for an invalid config, a
             strategy whose hardware is missing, a batch that does not split
-            between the replicas, or a training set smaller than one step.
+            between the replicas, a training set smaller than one step, or
+            a backup in `model_dir` of another number of models.
     """
     config = config.validate().resolved()
     recipe = config.recipe()
     num_models, per_model, shared = config.array_plan()
     source = data.resolve(config, recipe)
+    model_dir = pathlib.Path(config.model_dir)
+    backup_dir = model_dir / BACKUP_DIR
+    initial_epoch = backed_up_epoch(backup_dir)
+    _check_backup_fits(backup_dir, num_models)
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
     strategy = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     data.per_replica_batch_size(config.batch_size, replicas)
 
-    model_dir = pathlib.Path(config.model_dir)
-    backup_dir = model_dir / BACKUP_DIR
-    initial_epoch = backed_up_epoch(backup_dir)
     _check_resumed_config(config, model_dir, initial_epoch)
     config.write(model_dir)
     history_path = model_dir / results.HISTORY_FILE
@@ -324,9 +330,10 @@ def train(config, callbacks=()):
         metrics = {key: values for key, values in history.items()
                    if key.rpartition("_")[0] not in columns}
         hftatf.export.export_models(array, export_dir, history=metrics)
+    best_by, mode = results.best_monitor(rows, recipe.monitor,
+                                         recipe.monitor_mode)
     return Run(config=config, array=array, history=history, results=rows,
-               best=results.best_model(rows, recipe.monitor,
-                                       recipe.monitor_mode),
+               best=results.best_model(rows, best_by, mode), best_by=best_by,
                model_dir=model_dir, export_dir=export_dir,
                hyperparameters=list(columns), initial_epoch=initial_epoch,
                num_replicas=replicas)
@@ -346,15 +353,38 @@ def make_strategy(config):
 def backed_up_epoch(backup_dir):
     """The epoch a run resumes at from the backup in `backup_dir` (0 where
     there is none)."""
+    metadata = _backup_metadata(backup_dir)
+    return 0 if metadata is None else metadata["epoch"]
+
+
+def _check_backup_fits(backup_dir, num_models):
+    """Refuses to resume a backup of another number of models, before
+    anything of the killed run (config, history) is overwritten."""
+    metadata = _backup_metadata(backup_dir) or {}
+    backed_up = metadata.get("num_models")
+    if backed_up is not None and backed_up != num_models:
+        raise ConfigError(
+            f"{backup_dir} holds the backup of a killed run of {backed_up} "
+            f"models, but this run has {num_models}: it cannot resume it. "
+            "Rerun with the killed run's settings (its config.yaml) to "
+            "resume, or pass another --model_dir to start afresh (or "
+            f"delete {backup_dir}).")
+
+
+def _backup_metadata(backup_dir):
+    """The metadata of the backup in `backup_dir` (`hftatf.backup`), its
+    `epoch` an integer; None where there is no backup."""
     path = pathlib.Path(backup_dir) / backup.METADATA
     if not path.exists():
-        return 0
+        return None
     try:
-        return int(json.loads(path.read_text())["epoch"])
+        metadata = json.loads(path.read_text())
+        metadata["epoch"] = int(metadata["epoch"])
     except (ValueError, KeyError, TypeError) as error:
         raise ConfigError(
             f"The backup {path} is unreadable ({error}). Delete "
             f"{backup_dir} to start over.") from None
+    return metadata
 
 
 def _check_resumed_config(config, model_dir, initial_epoch):
@@ -410,7 +440,7 @@ def make_learning_rate(config, rates, steps_per_epoch):
         rate = schedules.ExponentialDecay(
             rates, decay_steps=steps_per_epoch * args.get("decay_epochs", 1),
             decay_rate=args.get("decay_rate", 0.9),
-            staircase=bool(args.get("staircase", False)))
+            staircase=args.get("staircase", False))
     else:
         epochs = args.get("decay_epochs", max(1, config.epochs // 3))
         rate = schedules.StepDecay(rates, decay_steps=steps_per_epoch * epochs,
@@ -452,7 +482,10 @@ def main(argv):
     if run.best is not None:
         described = ", ".join(f"{name} {run.best[name]:g}"
                               for name in run.hyperparameters)
-        print(f"Best: model {run.best['model']} ({described}).")
+        monitor = run.config.recipe().monitor
+        by = "" if run.best_by == monitor else (
+            f", by the training {run.best_by} ({monitor} has no values)")
+        print(f"Best: model {run.best['model']} ({described}){by}.")
     print(f"Results: {run.model_dir / results.RESULTS_FILE}")
     if run.export_dir is not None:
         print(f"Exported {len(run.results)} models to {run.export_dir}/")

@@ -235,6 +235,18 @@ INVALID = [
     (dict(dataset="/no/such/dir/*.tfrecord"), "no file matches"),
     (dict(tpu="local", strategy="cpu"), "does not use one"),
     (dict(export_dir="gs://bucket/export"), "must be a local directory"),
+    (dict(seed=-1), "--seed must be an integer from 0 to 2"),
+    (dict(seed=2**32), "--seed must be an integer from 0 to 2"),
+    (dict(schedule="step", schedule_args="decay_epochs=0"),
+     "decay_epochs must be > 0"),
+    (dict(schedule="exponential", schedule_args="decay_epochs=0"),
+     "decay_epochs must be > 0"),
+    (dict(schedule="exponential", schedule_args="staircase=maybe"),
+     "staircase must be true or false"),
+    (dict(validation_dataset="validation.tfrecord"),
+     "--validation_dataset=validation.tfrecord goes with TFRecord files"),
+    (dict(data_dir="/data/tensorflow_datasets"),
+     "--data_dir=/data/tensorflow_datasets is where tensorflow-datasets"),
 ]
 
 
@@ -245,6 +257,19 @@ def test_invalid_flags_fail_before_any_work(tmp_path, values, message):
         with pytest.raises(ConfigError, match=message):
             train.main([])
     assert not model_dir.exists()
+
+
+def test_staircase_is_a_boolean_or_true_or_false(tmp_path):
+    path = tmp_path / "run.yaml"
+    # A YAML string, which bool() would make True.
+    path.write_text("schedule: exponential\n"
+                    "schedule_args: {staircase: 'False'}\n")
+    with flagsaver.flagsaver(config_file=str(path)):
+        config = train.config_from_flags()
+    assert config.schedule_args == {"staircase": False}
+    config = Config(schedule="exponential", schedule_args={"staircase": 1})
+    with pytest.raises(ConfigError, match="staircase must be true or false"):
+        config.validate()
 
 
 def test_invalid_config_file_values(tmp_path):

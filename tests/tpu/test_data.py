@@ -80,6 +80,11 @@ def test_a_batch_larger_than_the_training_set_is_an_error():
         data.distributed_inputs(cpu(), source(), 4096)
 
 
+def test_given_steps_still_need_one_step_of_training_data():
+    with pytest.raises(ConfigError, match="not one step"):
+        data.distributed_inputs(cpu(), source(), 4096, train_steps=1)
+
+
 def test_resumed_run_reads_on_where_the_interrupted_one_stopped():
     steps = TRAIN_SIZE // 128
     whole = batches(data.distributed_inputs(cpu(), source(), 128).train,
@@ -182,6 +187,26 @@ def test_tensorflow_datasets_are_read_from_data_dir(monkeypatch, tmp_path):
                         False, True)
     with pytest.raises(ConfigError, match="pass --data_dir"):
         source(dataset="tfds:digits_tfds")
+
+
+def test_data_flags_that_would_be_ignored_are_errors(tfrecords):
+    pattern = str(tfrecords / "train-*.tfrecord")
+    validation = str(tfrecords / "validation.tfrecord")
+    with pytest.raises(ConfigError, match="recipe 'mlp'.*--validation_data"):
+        source(validation_dataset=validation)
+    with pytest.raises(ConfigError, match="tensorflow-datasets dataset"):
+        source(dataset="tfds:cifar10", data_dir=str(tfrecords),
+               validation_dataset=validation)
+    with pytest.raises(ConfigError, match="--data_dir=.*TFRecord files"):
+        source(dataset=pattern, data_dir=str(tfrecords))
+    with pytest.raises(ConfigError, match="--data_dir=.*recipe 'mlp'"):
+        source(dataset="mlp", data_dir=str(tfrecords))
+
+
+def test_tensorflow_datasets_missing_is_a_config_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    with pytest.raises(ConfigError, match="pip install tensorflow-datasets"):
+        source(dataset="cifar10", data_dir=str(tmp_path))
 
 
 def test_count_batches_reads_a_pass_when_cardinality_is_unknown():

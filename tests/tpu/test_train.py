@@ -12,7 +12,7 @@ from absl.testing import flagsaver
 
 from hftatf.models import data as zoo_data
 from hftatf.tpu import results, train
-from hftatf.tpu.config import Config
+from hftatf.tpu.config import Config, ConfigError
 
 FLAGS = train.FLAGS
 
@@ -211,6 +211,41 @@ def test_rerun_after_an_interruption_resumes(tmp_path):
     assert [(r["epoch"], r["model"]) for r in history] == [
         (str(e), str(b)) for e in range(3) for b in range(2)]
     assert len(run.history["loss_0"]) == 3
+
+
+def test_resuming_another_number_of_models_fails_before_writing(tmp_path):
+    config = one_step("mlp", tmp_path, epochs=2, train_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(config, callbacks=[Interrupt(epoch=1)])
+    model_dir = tmp_path / "mlp"
+
+    def files():
+        """The config, history and backup (TensorBoard flushes its own)."""
+        paths = [*model_dir.glob("*"), *(model_dir / "backup").glob("*")]
+        return {p.name: p.read_bytes() for p in paths if p.is_file()}
+
+    written = files()
+    assert {"history.csv", "backup.json"} <= set(written)
+    with pytest.raises(ConfigError, match="killed run of 2 models, but this "
+                       "run has 3.*another --model_dir"):
+        train.train(one_step("mlp", tmp_path, epochs=2, train_steps=2,
+                             num_models=3))
+    assert files() == written
+
+
+def test_without_validation_the_best_is_by_training_loss(tmp_path, capsys):
+    model_dir = tmp_path / "run"
+    with flagsaver.flagsaver(epochs=1, train_steps=1, eval_steps=0,
+                             verbose=0, model_dir=str(model_dir),
+                             export_dir=""):
+        train.main([])
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0].split() == [
+        "model", "learning_rate", "loss", "accuracy", "status"]
+    assert "by the training loss (val_accuracy has no values)." in printed
+    with open(model_dir / results.RESULTS_FILE, newline="") as file:
+        assert next(csv.reader(file)) == [
+            "model", "learning_rate", "loss", "accuracy", "status"]
 
 
 @pytest.mark.parametrize("schedule, args, stock", [
