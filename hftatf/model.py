@@ -1595,6 +1595,11 @@ class FusedModel(keras.Model):
             optimizer = fused_optimizers.select(self.optimizer, indices)
             compile_config = dict(self._compile_config.config)
             compile_config["optimizer"] = optimizer
+            passes_of = compile_config.get("models_per_pass")
+            if isinstance(passes_of, int):
+                # A pass holds at most the models the array keeps.
+                compile_config["models_per_pass"] = min(passes_of,
+                                                        len(indices))
             array.compile(**compile_config)
             if self.optimizer.built:
                 optimizer.build(array.trainable_variables)

@@ -177,6 +177,20 @@ def test_select_continues_the_kept_models_exactly(make_optimizer):
             assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
 
 
+def test_select_below_the_models_per_pass_keeps_training():
+    # Passes of 2 models; one model kept: its array runs passes of 1.
+    array = array_with(hftatf.optimizers.SGD([0.01, 0.02, 0.03]))
+    array.compile(array.optimizer, loss="mse", models_per_pass=2)
+    fit(array, epochs=1)
+    kept = array.select([1])
+    assert kept.num_models == 1
+    fit(array, epochs=1)
+    fit(kept, epochs=1)
+    for ours, theirs in zip(kept.get_model_weights(0),
+                            array.get_model_weights(1)):
+        assert_close(ours, theirs, atol=1e-6, rtol=1e-6)
+
+
 def test_select_keeps_frozen_and_diverged_status():
     array = array_with(hftatf.optimizers.SGD([1e30, 0.02, 0.03]))
     fit(array, epochs=1)
