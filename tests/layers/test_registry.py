@@ -93,6 +93,7 @@ REQUIRED_ARGS = {
     "AdaptiveAveragePooling3D": (2,), "AdaptiveMaxPooling1D": (2,),
     "AdaptiveMaxPooling2D": (2,), "AdaptiveMaxPooling3D": (2,),
     "CategoryEncoding": (4,), "Discretization": ([0.0],), "Hashing": (4,),
+    "HashedCrossing": (4,),
     "RandomRotation": (0.1,), "RandomTranslation": (0.1, 0.1),
     "RandomZoom": (0.1,), "RandomContrast": (0.1,),
     "RandomBrightness": (0.1,), "Lambda": (abs,),
