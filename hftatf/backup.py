@@ -53,7 +53,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         for leftover in self.backup_dir.glob(".tmp-*"):
             leftover.unlink(missing_ok=True)  # From a killed run.
-        metadata = self._read_metadata()
+        metadata = read_metadata(self.backup_dir)
         if metadata is None:
             return
         if not self.model.built:
@@ -67,14 +67,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"The backup in {self.backup_dir} is corrupt: its weights "
                 f"file does not match its checksum ({digest} instead of "
                 f"{metadata['sha256']}). Delete the directory to start over.")
-        num_models = getattr(self.model, "num_models", None)
-        backed_up = metadata.get("num_models")
-        if backed_up is not None and backed_up != num_models:
-            raise ValueError(
-                f"The backup in {self.backup_dir} holds an array of "
-                f"{backed_up} models; this array has {num_models}. Resume "
-                "with the backed-up array's settings, or delete the "
-                "directory to start over.")
+        check_num_models(metadata, self.backup_dir,
+                         getattr(self.model, "num_models", None))
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             optimizer.build(self.model.trainable_variables)
@@ -106,24 +100,6 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.model._initial_epoch = metadata["epoch"]
         logging.info("Resumed array '%s' from %s at epoch %d.",
                      self.model.name, self.backup_dir, metadata["epoch"])
-
-    def _read_metadata(self):
-        if not self._metadata_path.exists():
-            return None
-        try:
-            metadata = json.loads(self._metadata_path.read_text())
-            metadata["epoch"], metadata["sha256"]  # noqa: B018
-            weights = self.backup_dir / metadata["weights"]
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(
-                f"The backup metadata {self._metadata_path} is unreadable "
-                f"({error}). Delete the directory to start over.") from None
-        if not weights.exists():
-            raise ValueError(
-                f"The backup in {self.backup_dir} names the weights file "
-                f"{metadata['weights']}, which is missing. Delete the "
-                "directory to start over.")
-        return metadata
 
     def on_epoch_end(self, epoch, logs=None):
         self.backup_dir.mkdir(parents=True, exist_ok=True)
@@ -157,6 +133,47 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._metadata_path.unlink(missing_ok=True)
             for path in self.backup_dir.glob("epoch-*.weights.h5"):
                 path.unlink(missing_ok=True)
+
+
+def read_metadata(backup_dir):
+    """The metadata of the backup in `backup_dir`, its `epoch` an integer;
+    None where there is no backup.
+
+    Raises:
+        ValueError: the metadata is unreadable or names a missing weights
+            file.
+    """
+    backup_dir = pathlib.Path(backup_dir)
+    path = backup_dir / METADATA
+    if not path.exists():
+        return None
+    try:
+        metadata = json.loads(path.read_text())
+        metadata["epoch"] = int(metadata["epoch"])
+        metadata["sha256"]  # noqa: B018
+        weights = backup_dir / metadata["weights"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"The backup metadata {path} is unreadable ({error}). Delete "
+            f"{backup_dir} to start over.") from None
+    if not weights.exists():
+        raise ValueError(
+            f"The backup in {backup_dir} names the weights file "
+            f"{metadata['weights']}, which is missing. Delete {backup_dir} "
+            "to start over.")
+    return metadata
+
+
+def check_num_models(metadata, backup_dir, num_models):
+    """Refuses to resume the backup `metadata` (from `read_metadata`) with
+    an array of another number of models."""
+    backed_up = (metadata or {}).get("num_models")
+    if backed_up is not None and backed_up != num_models:
+        raise ValueError(
+            f"The backup in {backup_dir} holds an array of {backed_up} "
+            f"models; this run has {num_models}, so it cannot resume it. "
+            "Resume with the backed-up run's settings, or delete the "
+            "directory to start over.")
 
 
 def _seed_generators(model):

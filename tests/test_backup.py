@@ -80,7 +80,7 @@ def test_corrupt_backup_is_reported_not_loaded(tmp_path):
 def test_backup_of_another_array_is_reported_not_loaded(tmp_path):
     fit(small_array(), BackupAndRestore(tmp_path, delete_checkpoint=False))
     with pytest.raises(ValueError, match="holds an array of 2 models; this "
-                                         "array has 3"):
+                                         "run has 3"):
         fit(small_array(num_models=3), BackupAndRestore(tmp_path))
     # Same size, other weights (a backup written before `num_models` was
     # recorded, or another architecture): one line, no weight dump.

@@ -15,7 +15,6 @@ in tpu/README.md and by --helpfull.
 """
 
 import dataclasses
-import json
 import pathlib
 import shutil
 import sys
@@ -259,6 +258,15 @@ def train(config, callbacks=()):
     strategy = make_strategy(config)
     replicas = strategy.num_replicas_in_sync
     data.per_replica_batch_size(config.batch_size, replicas)
+    keras.utils.set_random_seed(config.seed)
+    # Before anything is written: a training set of less than one step
+    # is a ConfigError that leaves a killed run's files as they were.
+    inputs = data.distributed_inputs(
+        strategy, source, config.batch_size,
+        train_steps=config.train_steps, eval_steps=config.eval_steps,
+        steps_per_execution=config.steps_per_execution,
+        initial_epoch=initial_epoch,
+        static_shapes=isinstance(strategy, tf.distribute.TPUStrategy))
 
     _check_resumed_config(config, model_dir, initial_epoch)
     config.write(model_dir)
@@ -273,16 +281,9 @@ def train(config, callbacks=()):
                  num_models, config.model, replicas,
                  type(strategy).__name__, source.description)
 
-    keras.utils.set_random_seed(config.seed)
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(config.mixed_precision)
     try:
-        inputs = data.distributed_inputs(
-            strategy, source, config.batch_size,
-            train_steps=config.train_steps, eval_steps=config.eval_steps,
-            steps_per_execution=config.steps_per_execution,
-            initial_epoch=initial_epoch,
-            static_shapes=isinstance(strategy, tf.distribute.TPUStrategy))
         stock = build_model(recipe, config)
         with strategy.scope():
             array = hftatf.fuse(stock, num_models,
@@ -360,31 +361,22 @@ def backed_up_epoch(backup_dir):
 def _check_backup_fits(backup_dir, num_models):
     """Refuses to resume a backup of another number of models, before
     anything of the killed run (config, history) is overwritten."""
-    metadata = _backup_metadata(backup_dir) or {}
-    backed_up = metadata.get("num_models")
-    if backed_up is not None and backed_up != num_models:
+    try:
+        backup.check_num_models(_backup_metadata(backup_dir), backup_dir,
+                                num_models)
+    except ValueError as error:
         raise ConfigError(
-            f"{backup_dir} holds the backup of a killed run of {backed_up} "
-            f"models, but this run has {num_models}: it cannot resume it. "
-            "Rerun with the killed run's settings (its config.yaml) to "
-            "resume, or pass another --model_dir to start afresh (or "
-            f"delete {backup_dir}).")
+            f"{error} (Rerun with the killed run's settings, in its "
+            "config.yaml, or pass another --model_dir to start afresh.)"
+        ) from None
 
 
 def _backup_metadata(backup_dir):
-    """The metadata of the backup in `backup_dir` (`hftatf.backup`), its
-    `epoch` an integer; None where there is no backup."""
-    path = pathlib.Path(backup_dir) / backup.METADATA
-    if not path.exists():
-        return None
+    """`hftatf.backup.read_metadata`, an unreadable backup a ConfigError."""
     try:
-        metadata = json.loads(path.read_text())
-        metadata["epoch"] = int(metadata["epoch"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise ConfigError(
-            f"The backup {path} is unreadable ({error}). Delete "
-            f"{backup_dir} to start over.") from None
-    return metadata
+        return backup.read_metadata(backup_dir)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_resumed_config(config, model_dir, initial_epoch):

@@ -226,11 +226,19 @@ def test_resuming_another_number_of_models_fails_before_writing(tmp_path):
 
     written = files()
     assert {"history.csv", "backup.json"} <= set(written)
-    with pytest.raises(ConfigError, match="killed run of 2 models, but this "
+    with pytest.raises(ConfigError, match="holds an array of 2 models; this "
                        "run has 3.*another --model_dir"):
         train.train(one_step("mlp", tmp_path, epochs=2, train_steps=2,
                              num_models=3))
     assert files() == written
+
+
+def test_a_training_set_of_less_than_one_step_fails_before_writing(
+        tmp_path):
+    config = one_step("mlp", tmp_path, train_steps=None, batch_size=4096)
+    with pytest.raises(ConfigError, match="not one step"):
+        train.train(config)
+    assert not (tmp_path / "mlp").exists()
 
 
 def test_without_validation_the_best_is_by_training_loss(tmp_path, capsys):
