@@ -625,18 +625,23 @@ def is_graph_model(layer):
                                                        "_nodes_by_depth"))
 
 
-def weighted_layers(model, prefix=""):
+def weighted_layers(model):
     """`(path, layer)` for every layer with weights, nested functional and
     Sequential models entered: the same paths name a stock model's layers
     and its array's."""
-    found = []
+    return [(path, layer) for path, layer in graph_layers(model)
+            if not is_graph_model(layer) and layer.weights]
+
+
+def graph_layers(model, prefix=""):
+    """Yields `(path, layer)` for every layer of the graph `model`, each
+    nested functional or Sequential model before the layers inside it
+    (paths `outer/inner`)."""
     for layer in model.layers:
         path = prefix + layer.name
+        yield path, layer
         if is_graph_model(layer):
-            found.extend(weighted_layers(layer, path + "/"))
-        elif layer.weights:
-            found.append((path, layer))
-    return found
+            yield from graph_layers(layer, path + "/")
 
 
 def set_layer_weights(layer, weights):

@@ -360,21 +360,19 @@ def _restore_layer_names(model, config):
             _restore_layer_names(layer, entry)
 
 
-def trainable_flags(model, prefix=""):
+def trainable_flags(model):
     """`{path: flags}` of the graph `model` (an array or a stock model):
     for each nested functional or Sequential model its own `[trainable]`
     flag, and for each layer with weights its `trainable` flags and those
     of the layers inside it (`per_model.trainable_flags`; of the stock
     layer that a layer run per model holds). Paths are those of
-    `hftatf.fuse.weighted_layers`."""
-    from hftatf.fuse import is_graph_model
+    `hftatf.fuse.graph_layers`."""
+    from hftatf.fuse import graph_layers, is_graph_model
 
     found = {}
-    for layer in model.layers:
-        path = prefix + layer.name
+    for path, layer in graph_layers(model):
         if is_graph_model(layer):
             found[path] = [layer.trainable]
-            found.update(trainable_flags(layer, path + "/"))
         elif layer.weights:
             found[path] = per_model.trainable_flags(
                 layer.layer if isinstance(layer, per_model.FusedPerModel)
@@ -382,25 +380,23 @@ def trainable_flags(model, prefix=""):
     return found
 
 
-def set_trainable_flags(model, flags, prefix=""):
+def set_trainable_flags(model, flags):
     """Gives the layers of the graph `model` the `trainable_flags` of
     another of its architecture (those at paths `flags` lacks are left
     alone). A nested model's flag is set before those of the layers inside
     it, which it hands down to. A layer whose inner layers differ in number
     from those its flags came from (a fused layer's own) takes its own flag
     only."""
-    from hftatf.fuse import is_graph_model
+    from hftatf.fuse import graph_layers
 
-    for layer in model.layers:
-        path = prefix + layer.name
+    for path, layer in graph_layers(model):
         given = flags.get(path)
-        if given is not None:
-            if len(given) == len(layer._flatten_layers()):
-                per_model.set_trainable_flags(layer, given)
-            else:
-                per_model.set_trainable(layer, given[0])
-        if is_graph_model(layer):
-            set_trainable_flags(layer, flags, path + "/")
+        if given is None:
+            continue
+        if len(given) == len(layer._flatten_layers()):
+            per_model.set_trainable_flags(layer, given)
+        else:
+            per_model.set_trainable(layer, given[0])
 
 
 # Stock layers that XLA cannot compile on a CPU (TensorFlow 2.21), though
