@@ -172,27 +172,32 @@ def reusable(array, optimizers=None):
     for new models with momentum. With `optimizers=None`, whether the array
     can take new models at all.
     """
-    optimizer = array.optimizer
-    if not (isinstance(optimizer, fused_optimizers.FusedOptimizer)
-            and not optimizer._learning_rate_schedules()
-            and not array.diverged_models.any()):
-        return False
     if optimizers is None:
-        return True
-    return (len(optimizers) == array.num_models
+        return _takes_new_models(array)
+    return reload_optimizer(array, optimizers) is not None
+
+
+def reload_optimizer(array, optimizers):
+    """The fused optimizer, built, that `reload(array, ..., optimizers)`
+    loads into `array`; None where `reusable(array, optimizers)` is False.
+    Hand it to `reload` in place of `optimizers` to build it once."""
+    optimizer = array.optimizer
+    if not (_takes_new_models(array)
+            and len(optimizers) == array.num_models
             and type(optimizer) is type(optimizers[0])
             and all(optimizer_structure(o)["config"]["learning_rate"]
-                    == "float" for o in optimizers)
-            and _variables(_fresh_optimizer(array, optimizers))
-            == _variables(optimizer))
-
-
-def _fresh_optimizer(array, optimizers):
-    """The optimizer `fuse_trials` would give `array`'s variables for
-    `optimizers`, built."""
+                    == "float" for o in optimizers)):
+        return None
     fresh = combine_optimizers(optimizers)
     fresh.build(array.trainable_variables)
-    return fresh
+    return fresh if _variables(fresh) == _variables(optimizer) else None
+
+
+def _takes_new_models(array):
+    optimizer = array.optimizer
+    return (isinstance(optimizer, fused_optimizers.FusedOptimizer)
+            and not optimizer._learning_rate_schedules()
+            and not array.diverged_models.any())
 
 
 def _variables(optimizer):
@@ -209,23 +214,27 @@ def reload(array, models, optimizers):
 
     Only for arrays that `reusable(array, optimizers)` accepts, with
     `models` of the group the array was built for (`group_key`).
+    `optimizers` may also be the fused optimizer that
+    `reload_optimizer(array, optimizers)` returned.
     """
     if len(models) != array.num_models:
         raise ValueError(
             f"Array '{array.name}' holds {array.num_models} models; received "
             f"{len(models)} to load.")
+    fresh = (optimizers
+             if isinstance(optimizers, fused_optimizers.FusedOptimizer)
+             else reload_optimizer(array, optimizers))
+    if fresh is None or _variables(fresh) != _variables(array.optimizer):
+        raise ValueError(
+            f"Cannot reload array '{array.name}' with these optimizers: the "
+            "array's optimizer is wrapped, has learning-rate schedules or a "
+            "diverged model, or is of another type, or would build other "
+            "variables (names or shapes) than theirs. Check "
+            "`reusable(array, optimizers)` first.")
     per_model = [weighted_layers(model) for model in models]
     for position, (_, layer) in enumerate(weighted_layers(array)):
         weights = [layers[position][1].get_weights() for layers in per_model]
         layer.set_weights([np.stack(w) for w in zip(*weights)])
-    fresh = _fresh_optimizer(array, optimizers)
-    if _variables(fresh) != _variables(array.optimizer):
-        raise ValueError(
-            f"Cannot reload array '{array.name}': a new "
-            f"{type(fresh).__name__} has {len(fresh.variables)} variables "
-            f"where the array's has {len(array.optimizer.variables)}, or "
-            "they differ in names or shapes. Check `reusable(array, "
-            "optimizers)` first.")
     # Step counts, slots and hyper-parameter variables start anew.
     for old, new in zip(array.optimizer.variables, fresh.variables):
         old.assign(new)

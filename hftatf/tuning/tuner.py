@@ -461,10 +461,12 @@ class FusedTuner(keras_tuner.Tuner):
             models += [models[0]] * padding
             optimizers += [optimizers[0]] * padding
         for index, (key, array) in self._pool.items():
-            if key == group[0].key and array.num_models == len(models) and (
-                    arrays.reusable(array, optimizers)):
+            if key != group[0].key or array.num_models != len(models):
+                continue
+            fresh = arrays.reload_optimizer(array, optimizers)
+            if fresh is not None:
                 del self._pool[index]
-                return arrays.reload(array, models, optimizers)
+                return arrays.reload(array, models, fresh)
         return arrays.fuse_trials(models, optimizers, self.jit_compile)
 
     def _release(self, array, key):

@@ -169,6 +169,20 @@ def test_array_without_momentum_slots_is_not_reused_for_momentum():
         new = trials(optimizers)
         assert arrays.reusable(
             array, [arrays.trial_optimizer(m) for m in new]) is reused
+    # Refused before any weight is replaced.
+    before = [np.asarray(w) for w in array.weights]
+    with pytest.raises(ValueError, match="Cannot reload array"):
+        arrays.reload(array, new, [arrays.trial_optimizer(m) for m in new])
+    for weight, value in zip(array.weights, before):
+        np.testing.assert_array_equal(weight, value)
+    # The optimizer `reload_optimizer` built is the one loaded.
+    new = trials(plain)
+    fresh = arrays.reload_optimizer(
+        array, [arrays.trial_optimizer(m) for m in new])
+    arrays.reload(array, new, fresh)
+    np.testing.assert_allclose(
+        array.optimizer.get_hyperparameter("learning_rate"), [3e-2, 1e-3])
+    assert_array_holds(array, new, atol=0)
 
 
 def continued_steps(array, steps):
