@@ -140,11 +140,16 @@ class Param:
 
     def decode(self, value):
         """A trial's value of this hyper-parameter as the model or optimizer
-        takes it: lists of a choice come back from their JSON text."""
+        takes it: lists of a choice come back from their JSON text, and
+        booleans, which keras-tuner's `Choice` returns as 0 or 1, as
+        booleans."""
         for original in (*self.values, self.value):
             if isinstance(original, (list, tuple)) and value == _label(
                     original):
                 return list(original)
+            if isinstance(original, bool) and not isinstance(
+                    value, (str, list, tuple)) and value == original:
+                return original
         return value
 
 

@@ -51,6 +51,15 @@ def test_trial_values_decode_back_to_lists():
     assert param.decode("[32]") == [32]
 
 
+def test_a_choice_of_booleans_gives_booleans():
+    (param,) = space.parse("use_bias=choice:true,false")
+    _, values = declared([param])
+    assert values["use_bias"] is True
+    assert param.decode(0) is False and param.decode(1) is True
+    (fixed,) = space.parse("shuffle=fixed:false")
+    assert declared([fixed])[1]["shuffle"] is False
+
+
 def test_yaml_file_gives_the_same_space(tmp_path):
     pytest.importorskip("yaml")
     path = tmp_path / "space.yaml"
