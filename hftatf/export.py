@@ -77,9 +77,15 @@ def model_metrics(history, index, num_models):
     if history is None:
         return {}
     logs = getattr(history, "history", history) or {}
-    final = {key: values[-1] for key, values in logs.items() if values}
-    per_model, _ = split_logs(final, num_models)
-    return {name: float(values[index]) for name, values in per_model.items()}
+    per_model, _ = split_logs(
+        {key: values for key, values in logs.items() if len(values)},
+        num_models)
+    # A quantity without a single value (the validation columns of a run
+    # that did not validate, as a CSV history holds them) is left out; a
+    # model's final NaN (it diverged) is kept.
+    return {name: float(histories[index][-1])
+            for name, histories in per_model.items()
+            if not all(np.isnan(float(v)) for h in histories for v in h)}
 
 
 def model_diverged(array, index):

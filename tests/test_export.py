@@ -142,6 +142,16 @@ def test_metadata_metrics_are_each_models_own():
         "loss": 0.5, "top_1": 0.5, "val_top_1": 0.3}
 
 
+def test_metadata_leaves_out_quantities_never_logged():
+    # A CSV history holds NaN where a run logged nothing (no validation).
+    nan = float("nan")
+    history = {"loss_0": [1.0, 0.3], "loss_1": [0.8, nan],
+               "val_loss_0": [nan, nan], "val_loss_1": [nan, nan]}
+    assert hftatf.export.model_metrics(history, 0, 2) == {"loss": 0.3}
+    (diverged,) = hftatf.export.model_metrics(history, 1, 2).values()
+    assert np.isnan(diverged)
+
+
 def test_metadata_of_a_loss_scaled_optimizer_is_the_inner_ones():
     optimizer = hftatf.optimizers.LossScaleOptimizer(
         hftatf.optimizers.Adam([0.1, 0.2], amsgrad=True))
