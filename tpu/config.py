@@ -237,6 +237,11 @@ class Config:
             raise ConfigError(
                 "--eval_steps must be an integer >= 0 (0: no validation). "
                 f"Received: {self.eval_steps!r}.")
+        if self.verbose not in (0, 1, 2):
+            raise ConfigError(
+                "--verbose must be 0 (silent), 1 (progress bar) or 2 (one "
+                f"line per epoch), as Keras' fit takes it. Received: "
+                f"{self.verbose!r}.")
         if _not_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ConfigError(
                 "--seed must be an integer from 0 to 2**32 - 1 (numpy's "
@@ -511,7 +516,8 @@ def read_file(path):
 
 def parse_value(text):
     """A flag's value text as a Python value: a number, a bool, None, a list
-    or a dict (JSON or Python literal syntax), else the text itself."""
+    or a dict (JSON or Python literal syntax), a list of such values or
+    bare words (`[train,validation]`), else the text itself."""
     if not isinstance(text, str):
         return text
     text = text.strip()
@@ -528,6 +534,8 @@ def parse_value(text):
             pass
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
+    if text.startswith("[") and text.endswith("]"):
+        return [parse_value(item) for item in _split(text[1:-1], ",")]
     return text
 
 

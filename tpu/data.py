@@ -386,16 +386,32 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
                             "validate.", message)
         return whole
 
+    def fewest_batches(datasets, needed):
+        """The batches of the smallest of `datasets`, counted up to
+        `needed` (reading that many at most, not a pass)."""
+        return min(count_batches(dataset.take(needed))
+                   for dataset in datasets)
+
     def check_one_step(datasets):
-        """Raises unless every shard holds one step (the stream repeats it:
-        reading its first batches is enough, not a pass)."""
-        smallest = min(count_batches(dataset.take(local))
-                       for dataset in datasets)
+        """Raises unless every shard holds one step (the stream repeats
+        it)."""
+        smallest = fewest_batches(datasets, local)
         if smallest < local:
             raise ConfigError(
                 f"The training set ({source.description}) has {smallest} "
                 f"batches of {batch} per input pipeline: not one step of "
                 f"{local} replica batches. Lower --batch_size.")
+
+    def check_validation_steps(datasets):
+        """Raises unless every validation shard holds `eval_steps` steps:
+        Keras would stop validating where it runs out, silently."""
+        smallest = fewest_batches(datasets, eval_steps * local)
+        if smallest < eval_steps * local:
+            raise ConfigError(
+                f"--eval_steps={eval_steps}, but the validation set "
+                f"({source.description}) has {smallest // local} steps of "
+                f"{local} x {batch} examples per input pipeline. Lower "
+                "--eval_steps, or leave it out to validate on one pass.")
 
     passes = [one_pass(context) for context in contexts]
     if train_steps:
@@ -404,8 +420,11 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
         [train for train, _ in passes], "training")
     if passes[0][1] is None or eval_steps == 0:
         validation_steps = 0
+    elif eval_steps:
+        check_validation_steps([validation for _, validation in passes])
+        validation_steps = eval_steps
     else:
-        validation_steps = eval_steps or whole_steps(
+        validation_steps = whole_steps(
             [validation for _, validation in passes], "validation")
     del passes
     skip = initial_epoch * steps_per_epoch * local

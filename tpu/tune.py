@@ -59,8 +59,9 @@ def define_flags(flag_values=FLAGS):
     def string(name, default, help):
         flags.DEFINE_string(name, default, help, flag_values=flag_values)
 
-    def integer(name, default, help):
-        flags.DEFINE_integer(name, default, help, flag_values=flag_values)
+    def integer(name, default, help, **bounds):
+        flags.DEFINE_integer(name, default, help, flag_values=flag_values,
+                             **bounds)
 
     # What to tune.
     string("model", "mlp", "The zoo model (hftatf.models.recipes.names()).")
@@ -107,7 +108,9 @@ def define_flags(flag_values=FLAGS):
             "pass over the training set.")
     integer("eval_steps", None, "Validation steps per epoch. Default: one "
             "pass over the validation set.")
-    integer("verbose", 0, "Keras verbosity of each array's fit.")
+    integer("verbose", 0, "Keras verbosity of each array's fit: 0 silent, "
+            "1 progress bar, 2 one line per epoch.", lower_bound=0,
+            upper_bound=2)
     # Outputs.
     string("directory", "runs/tune", "Where keras-tuner's project goes.")
     string("project_name", None, "The project. Default: the model's name.")

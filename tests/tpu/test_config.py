@@ -129,6 +129,8 @@ def test_parse_mapping():
                                   "d": [0.1, 0.2], "e": True, "f.g": None}
     assert parse_mapping("{a: 1, b: [2]}", "f") == {"a": 1, "b": [2]}
     assert parse_mapping("s='x,y'", "f") == {"s": "x,y"}
+    assert parse_mapping("splits=[train,'a,b'],n=[[1],[x]],e=[]", "f") == {
+        "splits": ["train", "a,b"], "n": [[1], ["x"]], "e": []}
     with pytest.raises(ConfigError, match="name=value"):
         parse_mapping("1,2", "model_args")
 
@@ -237,6 +239,7 @@ INVALID = [
     (dict(export_dir="gs://bucket/export"), "must be a local directory"),
     (dict(seed=-1), "--seed must be an integer from 0 to 2"),
     (dict(seed=2**32), "--seed must be an integer from 0 to 2"),
+    (dict(verbose=7), "--verbose must be 0 .silent., 1"),
     (dict(schedule="step", schedule_args="decay_epochs=0"),
      "decay_epochs must be > 0"),
     (dict(schedule="exponential", schedule_args="decay_epochs=0"),
@@ -253,7 +256,8 @@ INVALID = [
 @pytest.mark.parametrize("values, message", INVALID)
 def test_invalid_flags_fail_before_any_work(tmp_path, values, message):
     model_dir = tmp_path / "run"
-    with flagsaver.flagsaver(model_dir=str(model_dir), verbose=0, **values):
+    values = {"verbose": 0, **values}
+    with flagsaver.flagsaver(model_dir=str(model_dir), **values):
         with pytest.raises(ConfigError, match=message):
             train.main([])
     assert not model_dir.exists()

@@ -75,6 +75,15 @@ def test_given_steps_are_kept_and_the_stream_never_ends():
     assert len(batches(inputs.train, 7)) == 7
 
 
+def test_more_validation_steps_than_the_validation_set_holds_is_an_error():
+    # 359 examples: 6 batches of 64 (the last one partial).
+    inputs = data.distributed_inputs(cpu(), source(), 64, eval_steps=6)
+    assert inputs.validation_steps == 6
+    assert len(batches(inputs.validation)) == 6
+    with pytest.raises(ConfigError, match="--eval_steps=7.*has 6 steps"):
+        data.distributed_inputs(cpu(), source(), 64, eval_steps=7)
+
+
 def test_a_batch_larger_than_the_training_set_is_an_error():
     with pytest.raises(ValueError, match="not one step"):
         data.distributed_inputs(cpu(), source(), 4096)
