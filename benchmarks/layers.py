@@ -99,6 +99,11 @@ def parse_args(argv):
         parser.error("--num_models takes positive integers and --jit "
                      "true/false, comma-separated")
     args.jit = [j == "true" for j in jit_names]
+    for flag, values in (("--num_models", args.num_models),
+                         ("--jit", args.jit)):
+        if len(set(values)) < len(values):
+            parser.error(f"{flag} lists a value more than once; name each "
+                         "once")
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be positive")
     if args.layer is None:
@@ -112,9 +117,21 @@ def parse_args(argv):
             parser.error("--layer needs --input_shape")
         try:
             shape = tuple(int(d) for d in args.input_shape.split(","))
+            if any(d < 1 for d in shape):
+                raise ValueError
+        except ValueError:
+            parser.error("--input_shape takes positive integers, "
+                         f"comma-separated; received {args.input_shape!r}")
+        try:
             config = parse_overrides(args.config)
         except ValueError as error:
             parser.error(str(error))
+        try:
+            stock_layer(args.layer, config)
+        except (TypeError, ValueError) as error:
+            parser.error(f"--config {args.config!r} does not make a "
+                         f"keras.layers.{args.layer}: {error}; pass its "
+                         "arguments as name=value pairs")
         args.cases = [(args.layer, config, shape)]
     if args.shared_input:
         for name, config, _ in args.cases:

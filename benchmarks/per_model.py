@@ -110,14 +110,34 @@ def stock_layers_model():
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num_models", default="1,4,8")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.per_model",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num_models", default="1,4,8",
+                        help="comma-separated array sizes B")
     parser.add_argument("--batch_size", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10,
                         help="timed steps per model and round")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup_steps", type=int, default=3)
-    return parser.parse_args(argv)
+    parser.add_argument("--warmup_steps", type=int, default=3,
+                        help="untimed steps before each timed fit")
+    args = parser.parse_args(argv)
+    try:
+        args.num_models = [int(b) for b in args.num_models.split(",")]
+    except ValueError:
+        parser.error("--num_models must be a comma list of positive "
+                     f"integers; received {args.num_models!r}")
+    if any(b < 1 for b in args.num_models):
+        parser.error(f"--num_models must be positive; received "
+                     f"{args.num_models}")
+    if len(set(args.num_models)) < len(args.num_models):
+        parser.error(f"--num_models lists an array size more than once; "
+                     f"received {args.num_models}")
+    for name in ("batch_size", "steps", "rounds", "warmup_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1; received "
+                         f"{getattr(args, name)}")
+    return args
 
 
 def dataset(batch_size, steps, seed=0):
@@ -185,7 +205,7 @@ def main(argv=None):
     print(f"{'B':>3} {'serial/s':>10} {'fused/s':>10} {'per_model/s':>12} "
           f"{'per_model/serial':>17} {'fused/serial':>13} "
           f"{'per_model/fused':>16}  (wall; processor time in brackets)")
-    for num_models in [int(b) for b in args.num_models.split(",")]:
+    for num_models in args.num_models:
         rounds = measure(args, num_models)
         samples = num_models * args.batch_size * args.steps
 

@@ -15,11 +15,15 @@ array size B it times three ways of training B models on the same data:
 
 Every mode does the same global work: `epochs` x `steps` steps of
 `batch_size` samples for each of the B models, after untimed warm-up steps
-(tracing and compilation). Each measurement runs in a fresh process, so its
-peak memory (RSS; summed over the processes of the concurrent mode) is its
-own. With `--repeats R` every measurement is repeated R times, the order of
-the modes rotating, and the speedups are the medians of the ratios of
-measurements made side by side.
+(tracing and compilation). Every mode is timed the same way, by the median
+epoch of each process: serial adds up its models' median epochs; the
+concurrent processes' rates (steps per median epoch) add up. Each
+measurement runs in a fresh process, so its peak memory (RSS; summed over
+the processes of the concurrent mode) is its own. With `--repeats R` every
+measurement is repeated R times, the order of the modes rotating, and the
+speedups are the medians of the ratios of measurements made side by side.
+A measurement that runs past `--timeout` is recorded as timed out (its row
+has no throughput and no speedup) and the run goes on.
 
     python -m benchmarks.run --quick
     python -m benchmarks.run --model mlp,pointnet --num_models 1,2,4,8,16
@@ -33,7 +37,8 @@ is throttled in coarse steps, as on shared virtual machines), peak memory,
 and achieved FLOP/s (the FLOPs XLA counts in one stock training step, times
 the steps all B models took, per second) against the matmul peak measured
 on this device in the same run. The rows go to `<output_dir>/results.csv`
-(and a Markdown table to `results.md`), and speedup-vs-B curves to
+as each B is measured (and a Markdown table to `results.md`), and
+speedup-vs-B curves to
 `<output_dir>/speedup_<model>.png` and
 `speedup.png` when matplotlib is installed.
 """
@@ -48,6 +53,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from benchmarks import worker
@@ -60,13 +66,23 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The columns of results.csv.
 COLUMNS = (
     "model", "mode", "num_models", "batch_size", "steps", "epochs",
-    "repeats", "jit_compile", "models_per_pass", "samples_per_s",
+    "repeats", "timeouts", "jit_compile", "models_per_pass", "samples_per_s",
     "samples_per_s_min", "samples_per_s_max", "speedup", "speedup_min",
     "speedup_max",
     "cpu_samples_per_s", "cpu_speedup", "peak_rss_mb", "step_gflop",
     "gflop_per_s", "matmul_peak_gflop_per_s", "percent_of_peak",
     "load_average",
 )
+
+
+# What --quick sets, where the command line does not.
+QUICK_DEFAULTS = {"num_models": "1,2,4", "epochs": 2, "warmup_steps": 2,
+                  "epoch_seconds": 0.5}
+
+# Integer flags and the least value each takes.
+MINIMUMS = {"batch_size": 1, "epochs": 1, "warmup_steps": 1,
+            "data_batches": 1, "repeats": 1, "steps_per_execution": 1,
+            "stock_steps_per_execution": 1, "peak_size": 1}
 
 
 def parse_args(argv):
@@ -76,9 +92,8 @@ def parse_args(argv):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default="mlp",
                         help="comma list of zoo recipe names, or 'all'")
-    parser.add_argument("--num_models", default=None,
-                        help="comma list of array sizes B (default "
-                             "1,2,4,8,16; 1,2,4 with --quick)")
+    parser.add_argument("--num_models", default="1,2,4,8,16",
+                        help="comma list of array sizes B")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma list of: " + ", ".join(MODES))
     parser.add_argument("--batch_size", type=int, default=64,
@@ -92,7 +107,8 @@ def parse_args(argv):
     parser.add_argument("--epochs", type=int, default=3,
                         help="timed epochs (the median epoch is used)")
     parser.add_argument("--warmup_steps", type=int, default=3,
-                        help="untimed steps before the timed epochs")
+                        help="untimed steps before the timed epochs "
+                             "(tracing and compilation happen there)")
     parser.add_argument("--data_batches", type=int, default=8,
                         help="distinct batches cycled through")
     parser.add_argument("--repeats", type=int, default=1,
@@ -112,8 +128,9 @@ def parse_args(argv):
                         help="of the array")
     parser.add_argument("--models_per_pass", default="auto",
                         help="of the array's training step: 'auto' "
-                             "(hftatf's default), 'all' (one pass) or an "
-                             "integer")
+                             "(hftatf's default), 'all' (one pass) or a "
+                             "positive integer (at most B: an array of "
+                             "fewer models takes them all in one pass)")
     parser.add_argument("--stock_steps_per_execution", type=int, default=1,
                         help="of the stock models")
     parser.add_argument("--model_args", default="",
@@ -129,7 +146,8 @@ def parse_args(argv):
                         help="time spent measuring the matmul peak")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600,
-                        help="seconds allowed to one measurement")
+                        help="seconds allowed to one measurement; one that "
+                             "runs longer is recorded as timed out")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows of other models already in "
                              "<output_dir>/results.csv (a run split into "
@@ -141,35 +159,46 @@ def parse_args(argv):
                              "results.md and plots (e.g. after installing "
                              "matplotlib)")
     parser.add_argument("--quick", action="store_true",
-                        help="a small run: short epochs, and B in 1,2,4 "
-                             "unless --num_models says otherwise")
+                        help="a small run: the defaults become "
+                             + ", ".join(f"--{k} {v}"
+                                         for k, v in QUICK_DEFAULTS.items())
+                             + " (flags given explicitly still win)")
     args = parser.parse_args(argv)
-    if args.num_models is None:
-        args.num_models = "1,2,4" if args.quick else "1,2,4,8,16"
     if args.quick:
-        args.epochs, args.warmup_steps, args.epoch_seconds = 2, 2, 0.5
-    if args.model == "all":
-        from hftatf.models import recipes
-
-        args.model = ",".join(recipes.names())
-    args.models = [m for m in args.model.split(",") if m]
+        # Parsed again so that only the flags not given take the quick
+        # values.
+        parser.set_defaults(**QUICK_DEFAULTS)
+        args = parser.parse_args(argv)
+    for name, least in MINIMUMS.items():
+        if getattr(args, name) < least:
+            parser.error(f"--{name} must be at least {least}; received "
+                         f"{getattr(args, name)}")
+    for name in ("epoch_seconds", "timeout"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name} must be a positive number of seconds; "
+                         f"received {getattr(args, name)}")
+    args.models = _models(parser, args.model)
     try:
-        args.num_models = [int(b) for b in args.num_models.split(",") if b]
+        args.num_models = _names(parser, "--num_models", args.num_models,
+                                 int)
     except ValueError:
         parser.error(f"--num_models must be a comma list of integers: "
                      f"{args.num_models!r}")
-    args.modes = [m for m in args.modes.split(",") if m]
+    if any(b < 1 for b in args.num_models):
+        parser.error(f"--num_models must be positive: {args.num_models}")
+    args.modes = _names(parser, "--modes", args.modes)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown --modes {unknown}; known: {list(MODES)}")
-    if any(b < 1 for b in args.num_models):
-        parser.error(f"--num_models must be positive: {args.num_models}")
     if args.steps != "auto":
         try:
             args.steps = int(args.steps)
         except ValueError:
             parser.error(f"--steps must be 'auto' or an integer; received "
                          f"{args.steps!r}")
+        if args.steps < 1:
+            parser.error(f"--steps must be 'auto' or at least 1; received "
+                         f"{args.steps}")
     # Whole executions only: a shorter last one would trace anew.
     args.execution = math.lcm(args.steps_per_execution,
                               args.stock_steps_per_execution)
@@ -182,14 +211,50 @@ def parse_args(argv):
         except ValueError:
             parser.error("--models_per_pass must be 'auto', 'all' or an "
                          f"integer; received {args.models_per_pass!r}")
+        if args.models_per_pass < 1:
+            parser.error("--models_per_pass must be 'auto', 'all' or at "
+                         f"least 1; received {args.models_per_pass}")
     args.model_args = parse_overrides(args.model_args)
     args.data_args = parse_overrides(args.data_args)
     return args
 
 
+def _names(parser, flag, text, kind=str):
+    """The items of the comma list `text` of `flag`, each made a `kind`:
+    at least one, and no item twice (a duplicate would be measured twice
+    and corrupt its row)."""
+    items = [kind(item.strip()) for item in text.split(",") if item.strip()]
+    if not items:
+        parser.error(f"{flag} must name at least one value; received "
+                     f"{text!r}")
+    duplicates = sorted({str(i) for i in items if items.count(i) > 1})
+    if duplicates:
+        parser.error(f"{flag} lists {', '.join(duplicates)} more than once; "
+                     "name each once")
+    return items
+
+
+def _models(parser, text):
+    """The zoo recipes `--model` names ('all': every one)."""
+    from hftatf.models import recipes
+
+    known = list(recipes.names())
+    models = _names(parser, "--model", text)
+    if "all" in models:
+        if len(models) > 1:
+            parser.error("--model all stands alone: it names every zoo "
+                         f"recipe already; received {text!r}")
+        return known
+    unknown = [m for m in models if m not in known]
+    if unknown:
+        parser.error(f"unknown --model {', '.join(unknown)}; known: "
+                     f"{', '.join(known)} (or 'all')")
+    return models
+
+
 def _whole(steps, execution):
-    """`steps` rounded up to a multiple of `execution`."""
-    return max(1, -(-steps // execution)) * execution
+    """`steps` (at least 1) rounded up to a multiple of `execution`."""
+    return -(-steps // execution) * execution
 
 
 # -- running workers -------------------------------------------------------
@@ -225,9 +290,16 @@ def run_worker(spec, timeout):
 def run_concurrent(spec, num_models, timeout):
     """B `single` workers at once: all warm up, then all start together.
 
-    Returns the per-process results.
+    Returns the per-process results. Raises `subprocess.TimeoutExpired`
+    when the whole measurement, warm-up included, takes over `timeout`
+    seconds.
     """
     processes, logs = [], []
+    deadline = time.monotonic() + timeout
+    # Waiting for READY blocks on a pipe: past the deadline this kills the
+    # workers, which ends the wait.
+    expired = threading.Event()
+    alarm = threading.Timer(timeout, _expire, (expired, processes))
     try:
         for index in range(num_models):
             log = tempfile.TemporaryFile(mode="w+")
@@ -237,31 +309,44 @@ def run_concurrent(spec, num_models, timeout):
                           "seed": spec["seed"] + index}),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 text=True, cwd=ROOT, env=_environment()))
+        alarm.start()
         for process, log in zip(processes, logs):
             line = process.stdout.readline()
             while line and line.strip() != worker.READY:
                 line = process.stdout.readline()
+            if expired.is_set():
+                raise subprocess.TimeoutExpired(_command(spec), timeout)
             if not line:
                 log.seek(0)
                 raise RuntimeError(
                     f"A concurrent worker for {spec['model']} exited "
                     f"before it was ready:\n{log.read()[-4000:]}")
+        alarm.cancel()
         for process in processes:
             process.stdin.write("go\n")
             process.stdin.flush()
         results = []
         for process, log in zip(processes, logs):
-            stdout, _ = process.communicate(timeout=timeout)
+            stdout, _ = process.communicate(
+                timeout=max(0.0, deadline - time.monotonic()))
             log.seek(0)
             results.append(_parse_result(stdout, log.read(), spec))
         return results
     finally:
+        alarm.cancel()
         for process in processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
         for log in logs:
             log.close()
+
+
+def _expire(expired, processes):
+    expired.set()
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
 
 
 # -- one model -------------------------------------------------------------
@@ -304,7 +389,12 @@ def probe_model(args, name, base):
 def measure_mode(args, mode, num_models, spec):
     """`(seconds per round, processor seconds per round, peak RSS MiB,
     jit, models per pass)`: a round is `steps` steps of each of the B
-    models; models per pass is None for the stock modes."""
+    models; models per pass is None for the stock modes.
+
+    Every mode times epochs alike: each process's median epoch. Raises
+    `subprocess.TimeoutExpired` when the mode did not finish within
+    `--timeout` (for the fused mode: under no `jit_compile` setting).
+    """
     if mode == "serial":
         result = run_worker({**spec, "task": "serial",
                              "num_models": num_models}, args.timeout)
@@ -316,10 +406,12 @@ def measure_mode(args, mode, num_models, spec):
                 spec["jit_compile"], None)
     if mode == "concurrent":
         results = run_concurrent(spec, num_models, args.timeout)
-        wall = (max(r["end"] for r in results)
-                - min(r["start"] for r in results))
-        cpu_seconds = sum(sum(r["epoch_cpu_seconds"]) for r in results)
-        return (wall / spec["epochs"], cpu_seconds / spec["epochs"],
+        # Each process trains `steps` steps per median epoch, all at once:
+        # their rates add up. A round, B models' steps, takes B over that
+        # sum of rounds per second.
+        rate = sum(1.0 / _median(r["epoch_seconds"]) for r in results)
+        cpu_seconds = sum(_median(r["epoch_cpu_seconds"]) for r in results)
+        return (num_models / rate, cpu_seconds,
                 sum(r["peak_rss_mb"] for r in results), spec["jit_compile"],
                 None)
     settings = ([False, True] if args.fused_jit == "best"
@@ -345,11 +437,28 @@ def measure_mode(args, mode, num_models, spec):
         # The other setting gets a few times as long as this one took.
         timeout = min(args.timeout, max(
             120.0, 3 * (time.perf_counter() - started)))
+    if best is None:
+        raise subprocess.TimeoutExpired(_command(spec), args.timeout)
     return best
 
 
+def _models_per_pass(setting, num_models):
+    """The array's `models_per_pass` for `--models_per_pass setting` at B:
+    None for 'all' (one pass), a count at most B."""
+    if setting == "all":
+        return None
+    if setting == "auto":
+        return setting
+    return min(setting, num_models)
+
+
 def benchmark_model(args, name):
-    """Every mode at every B for the zoo model `name`; returns CSV rows."""
+    """Every mode at every B for the zoo model `name`: yields the CSV rows
+    of each B (one per mode) as soon as they are measured.
+
+    A measurement that runs past `--timeout` is recorded as timed out (no
+    throughput) and the run goes on.
+    """
     base = {"model": name, "batch_size": args.batch_size,
             "model_args": args.model_args, "data_args": args.data_args,
             "epochs": args.epochs, "warmup_steps": args.warmup_steps,
@@ -357,21 +466,31 @@ def benchmark_model(args, name):
             "fused_jit_compile": {"auto": "auto", "true": True,
                                   "false": False}.get(args.fused_jit),
             "steps_per_execution": args.steps_per_execution,
-            "models_per_pass": (None if args.models_per_pass == "all"
-                                else args.models_per_pass),
             "stock_steps_per_execution": args.stock_steps_per_execution}
-    probe = probe_model(args, name, base)
+    try:
+        probe = probe_model(args, name, base)
+    except subprocess.TimeoutExpired:
+        print(f"[{name}] the probe ran past --timeout {args.timeout:.0f} s: "
+              f"{name} is not measured", flush=True)
+        return
     spec = {**base, "steps": probe["steps"],
             "jit_compile": probe["jit_compile"]}
     work = spec["steps"] * args.batch_size
-    rows = []
     for num_models in args.num_models:
+        spec_b = {**spec, "models_per_pass": _models_per_pass(
+            args.models_per_pass, num_models)}
         measured = {mode: [] for mode in args.modes}
         for repeat in range(args.repeats):
             shift = repeat % len(args.modes)
             for mode in args.modes[shift:] + args.modes[:shift]:
-                seconds, cpu_seconds, rss, jit, per_pass = measure_mode(
-                    args, mode, num_models, spec)
+                try:
+                    seconds, cpu_seconds, rss, jit, per_pass = measure_mode(
+                        args, mode, num_models, spec_b)
+                except subprocess.TimeoutExpired:
+                    print(f"[{name}] B={num_models:<3} {mode:<10} timed out "
+                          f"after {args.timeout:.0f} s", flush=True)
+                    measured[mode].append(None)
+                    continue
                 measured[mode].append((num_models * work / seconds, rss, jit,
                                        os.getloadavg()[0],
                                        num_models * work / cpu_seconds,
@@ -379,32 +498,38 @@ def benchmark_model(args, name):
                 print(f"[{name}] B={num_models:<3} {mode:<10} "
                       f"{num_models * work / seconds:10.1f} samples/s  "
                       f"{rss:8.0f} MiB", flush=True)
-        for mode, values in measured.items():
-            rows.append(_row(args, name, mode, num_models, values,
-                             measured.get("serial"), probe))
-    return rows
+        yield [_row(args, name, mode, num_models, values,
+                    measured.get("serial"), probe)
+               for mode, values in measured.items()]
 
 
 def _row(args, name, mode, num_models, values, serial, probe):
-    rates = [v[0] for v in values]
-    rate, low, high = summarize(rates)
+    """The CSV row of one mode at B from its measurements (None for one
+    that timed out); `serial` holds the serial mode's, side by side."""
+    done = [v for v in values if v is not None]
     row = {"model": name, "mode": mode, "num_models": num_models,
            "batch_size": args.batch_size, "steps": probe["steps"],
-           "epochs": args.epochs, "repeats": len(values),
-           "jit_compile": values[0][2], "models_per_pass": values[0][5],
-           "samples_per_s": rate,
-           "samples_per_s_min": low, "samples_per_s_max": high,
-           "peak_rss_mb": _median([v[1] for v in values]),
-           "load_average": _median([v[3] for v in values]),
-           "cpu_samples_per_s": _median([v[4] for v in values])}
-    if serial:
-        ratios = [r / s[0] for r, s in zip(rates, serial)]
-        row["speedup"], row["speedup_min"], row["speedup_max"] = summarize(
-            ratios)
-        row["cpu_speedup"] = _median(
-            [v[4] / s[4] for v, s in zip(values, serial)])
+           "epochs": args.epochs, "repeats": len(done),
+           "timeouts": len(values) - len(done)}
     flops, peak = probe["step_flops"], probe["matmul_peak_flops"]
     row["matmul_peak_gflop_per_s"] = peak / 1e9
+    if not done:
+        return row
+    rates = [v[0] for v in done]
+    rate, low, high = summarize(rates)
+    row.update({"jit_compile": done[0][2], "models_per_pass": done[0][5],
+                "samples_per_s": rate,
+                "samples_per_s_min": low, "samples_per_s_max": high,
+                "peak_rss_mb": _median([v[1] for v in done]),
+                "load_average": _median([v[3] for v in done]),
+                "cpu_samples_per_s": _median([v[4] for v in done])})
+    # Ratios of measurements made side by side, where both finished.
+    pairs = [(v, s) for v, s in zip(values, serial or [])
+             if v is not None and s is not None]
+    if pairs:
+        row["speedup"], row["speedup_min"], row["speedup_max"] = summarize(
+            [v[0] / s[0] for v, s in pairs])
+        row["cpu_speedup"] = _median([v[4] / s[4] for v, s in pairs])
     if flops:
         achieved = rate / args.batch_size * flops
         row.update(step_gflop=flops / 1e9, gflop_per_s=achieved / 1e9,
@@ -423,6 +548,14 @@ def _format(value, digits=1):
     return str(value)
 
 
+def _throughput(row):
+    """A row's samples/s as printed: "timed out" where every measurement
+    of it ran past --timeout."""
+    if row.get("samples_per_s") is None and row.get("timeouts"):
+        return "timed out"
+    return _format(row.get("samples_per_s"), 0)
+
+
 def print_table(rows):
     header = (f"{'model':<16}{'mode':<11}{'B':>4}{'samples/s':>12}"
               f"{'speedup':>9}{'range':>13}{'CPU-time':>9}{'RSS MiB':>9}"
@@ -433,10 +566,10 @@ def print_table(rows):
         if row.get("speedup_min") is not None and row["repeats"] > 1:
             spread = (f"{row['speedup_min']:.2f}-{row['speedup_max']:.2f}")
         print(f"{row['model']:<16}{row['mode']:<11}{row['num_models']:>4}"
-              f"{_format(row['samples_per_s'], 0):>12}"
+              f"{_throughput(row):>12}"
               f"{_format(row.get('speedup'), 2):>9}{spread:>13}"
               f"{_format(row.get('cpu_speedup'), 2):>9}"
-              f"{_format(row['peak_rss_mb'], 0):>9}"
+              f"{_format(row.get('peak_rss_mb'), 0):>9}"
               f"{_format(row.get('gflop_per_s'), 2):>9}"
               f"{_format(row.get('percent_of_peak'), 1):>8}")
 
@@ -462,8 +595,7 @@ def markdown_table(rows):
                    and r["num_models"] == num_models}
         fused = by_mode.get("fused", {})
         cells = ([model, str(num_models)]
-                 + [_format(by_mode.get(m, {}).get("samples_per_s"), 0)
-                    for m in modes]
+                 + [_throughput(by_mode.get(m, {})) for m in modes]
                  + [_format(by_mode.get(m, {}).get("speedup"), 2)
                     for m in modes if m != "serial"]
                  + [_format(by_mode.get(m, {}).get("cpu_speedup"), 2)
@@ -515,7 +647,7 @@ def read_csv(path):
                     number = float(value)
                     parsed[key] = int(number) if key in (
                         "num_models", "batch_size", "steps", "epochs",
-                        "repeats") else number
+                        "repeats", "timeouts") else number
             rows.append(parsed)
     return rows
 
@@ -581,19 +713,41 @@ def main(argv=None):
             raise SystemExit(
                 f"--report_only: no results in {directory / 'results.csv'}.")
         return report(rows, directory)
+    _check_writable(directory)
     rows = []
     if args.append:
         rows = [row for row in read_csv(directory / "results.csv")
                 if row["model"] not in args.models]
     for name in args.models:
-        rows.extend(benchmark_model(args, name))
-        # Written as it goes: a long run that dies keeps what it measured.
-        write_csv(rows, directory / "results.csv")
+        for measured in benchmark_model(args, name):
+            rows.extend(measured)
+            # Written after every B: a long run that dies keeps what it
+            # measured.
+            write_csv(rows, directory / "results.csv")
+    if not rows:
+        raise SystemExit("Nothing was measured: every probe ran past "
+                         f"--timeout {args.timeout:.0f} s; raise --timeout.")
     return report(rows, directory)
 
 
+def _check_writable(directory):
+    """Creates `directory` and writes a file there, before anything is
+    measured; exits naming --output_dir if it cannot."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise SystemExit(
+            f"--output_dir {str(directory)!r} cannot hold the results "
+            f"({error}); pass a directory this user can create and write "
+            "to.") from error
+
+
 def report(rows, directory):
-    """Prints the table of `rows` and writes its plots and results.md."""
+    """Prints the table of `rows` and writes its plots and results.md
+    into `directory` (created if need be)."""
+    directory.mkdir(parents=True, exist_ok=True)
     print_table(rows)
     peaks = [row["matmul_peak_gflop_per_s"] for row in rows
              if row.get("matmul_peak_gflop_per_s")]

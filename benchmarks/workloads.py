@@ -136,30 +136,43 @@ class Workload:
             kwargs["loss"] = self.recipe.loss
         if self.recipe.metrics:
             kwargs["metrics"] = list(self.recipe.metrics)
-        if models_per_pass != "auto":
-            if "models_per_pass" not in inspect.signature(
-                    array.compile).parameters:
-                raise ValueError(
-                    f"{type(array).__name__} trains with a step of its own, "
-                    "which computes all models in one pass; leave "
-                    f"models_per_pass at 'auto' for {self.name!r}.")
-            kwargs["models_per_pass"] = models_per_pass
+        if "models_per_pass" in inspect.signature(array.compile).parameters:
+            if models_per_pass != "auto":
+                kwargs["models_per_pass"] = models_per_pass
+        elif models_per_pass not in ("auto", None, num_models):
+            raise ValueError(
+                f"{type(array).__name__} trains with a step of its own, "
+                "which computes all models in one pass; leave "
+                f"models_per_pass at 'auto' or 'all' for {self.name!r}. "
+                f"Received: models_per_pass={models_per_pass!r}.")
         array.compile(optimizer=optimizer, jit_compile=jit_compile,
                       steps_per_execution=steps_per_execution, **kwargs)
         return array
 
     def batches(self, count, seed=0):
-        """`count` full batches of the recipe's training data, stacked:
-        every leaf gets a leading axis of `count`."""
+        """`count` (at least 1) full batches of the recipe's training data,
+        stacked: every leaf gets a leading axis of `count`. The data are
+        cycled through as often as `count` needs."""
+        if count < 1:
+            raise ValueError(
+                f"A workload needs at least one batch of data. Received: "
+                f"count={count}; pass a positive count (--data_batches).")
         train, _ = self.recipe.data(
             self.batch_size, seed=seed,
             **{**self.recipe.data_args, **self.data_args})
         kept = []
-        for batch in train.repeat().as_numpy_iterator():
-            if len(keras.tree.flatten(batch)[0]) == self.batch_size:
-                kept.append(batch)
-            if len(kept) == count:
-                break
+        while len(kept) < count:
+            before = len(kept)
+            for batch in train.as_numpy_iterator():
+                if len(keras.tree.flatten(batch)[0]) == self.batch_size:
+                    kept.append(batch)
+                if len(kept) == count:
+                    break
+            if len(kept) == before:
+                raise ValueError(
+                    f"The data of {self.name!r} hold no full batch of "
+                    f"batch_size={self.batch_size}; pass a smaller batch "
+                    "size (--batch_size) or more data (--data_args).")
         return keras.tree.map_structure(lambda *b: np.stack(b), *kept)
 
     def dataset(self, count, seed=0):

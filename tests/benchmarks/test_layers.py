@@ -46,6 +46,23 @@ def test_parse_args_rejects_bad_input(argv):
         layers.parse_args(argv)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--layer", "Dense", "--input_shape", "8,4"],
+     "--config '' does not make a keras.layers.Dense"),
+    (["--num_models", "2,2"], "--num_models lists a value more than once"),
+    (["--jit", "true,true"], "--jit lists a value more than once"),
+    (["--layer", "Dense", "--config", "units=2", "--input_shape", "0,4"],
+     "--input_shape takes positive integers"),
+    (["--layer", "Dense", "--config", "units=2", "--input_shape", "8,x"],
+     "--input_shape takes positive integers"),
+])
+def test_parse_args_names_the_flag_to_fix(argv, message, capsys):
+    with pytest.raises(SystemExit) as error:
+        layers.parse_args(argv)
+    assert error.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name,config,shape", [
     ("Dense", {"units": 3}, (4, 5, 2)),
     ("BatchNormalization", {}, (4, 5, 2)),

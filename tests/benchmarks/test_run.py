@@ -3,7 +3,9 @@ and one smoke run of every mode with the tiniest settings (not a timing
 test: it checks that the harness runs and writes a well-formed CSV)."""
 
 import csv
+import dataclasses
 import pathlib
+import subprocess
 import sys
 
 import keras
@@ -112,6 +114,236 @@ def test_parse_args_reads_models_per_pass():
         run.parse_args(["--models_per_pass", "some"])
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--modes="], "--modes must name at least one"),
+    (["--modes=,"], "--modes must name at least one"),
+    (["--modes", "fused,fused,serial"], "--modes lists fused more than once"),
+    (["--num_models="], "--num_models must name at least one"),
+    (["--num_models", "2,2"], "--num_models lists 2 more than once"),
+    (["--model", ""], "--model must name at least one"),
+    (["--model", "mlp,mlp"], "--model lists mlp more than once"),
+    (["--model", "all,mlp"], "--model all stands alone"),
+    (["--model", "mlp,no_such_model"],
+     "unknown --model no_such_model; known: bert_mini"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--repeats", "-2"], "--repeats must be at least 1"),
+    (["--steps_per_execution", "0"], "--steps_per_execution must be at"),
+    (["--stock_steps_per_execution", "-1"],
+     "--stock_steps_per_execution must be at"),
+    (["--steps", "0"], "--steps must be 'auto' or at least 1"),
+    (["--steps", "-5"], "--steps must be 'auto' or at least 1"),
+    (["--warmup_steps", "0"], "--warmup_steps must be at least 1"),
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+    (["--data_batches", "0"], "--data_batches must be at least 1"),
+    (["--peak_size", "0"], "--peak_size must be at least 1"),
+    (["--timeout", "0"], "--timeout must be a positive number"),
+    (["--epoch_seconds", "-1"], "--epoch_seconds must be a positive"),
+    (["--models_per_pass", "0"], "--models_per_pass must be 'auto', 'all'"),
+])
+def test_parse_args_rejects_values_it_cannot_measure(argv, message, capsys):
+    with pytest.raises(SystemExit) as error:
+        run.parse_args(argv)
+    assert error.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_quick_sets_defaults_that_explicit_flags_override():
+    args = run.parse_args(["--quick"])
+    assert (args.num_models, args.epochs, args.warmup_steps,
+            args.epoch_seconds) == ([1, 2, 4], 2, 2, 0.5)
+    args = run.parse_args(["--quick", "--epochs", "5", "--warmup_steps", "4",
+                           "--epoch_seconds", "3", "--num_models", "8"])
+    assert (args.num_models, args.epochs, args.warmup_steps,
+            args.epoch_seconds) == ([8], 5, 4, 3.0)
+    assert run.parse_args([]).epochs == 3
+
+
+# -- runs with stand-in workers (nothing trains) ---------------------------
+
+
+def fake_workers(monkeypatch, timeouts=(), fail=None):
+    """Replaces the worker processes: every epoch of one model takes 1 s
+    stock and 0.5 s fused (2 s and 1 s of processor time). The tasks in
+    `timeouts` ("probe", "serial", "single", "fused") run past --timeout;
+    `fail(spec)` may raise. Returns the specs the workers were given."""
+    specs = []
+
+    def run_worker(spec, timeout):
+        specs.append(spec)
+        if fail is not None:
+            fail(spec)
+        if spec["task"] in timeouts:
+            raise subprocess.TimeoutExpired(spec["task"], timeout)
+        if spec["task"] == "probe":
+            return {"jit": {"false": [0.01]}, "step_flops": 1e3,
+                    "matmul_peak_flops": 1e9}
+        if spec["task"] == "serial":
+            return {"model_epoch_seconds": [[1.0]] * spec["num_models"],
+                    "model_epoch_cpu_seconds": [[2.0]] * spec["num_models"],
+                    "peak_rss_mb": 10.0}
+        return {"epoch_seconds": [0.5], "epoch_cpu_seconds": [1.0],
+                "peak_rss_mb": 20.0, "jit_compile": False,
+                "models_per_pass": spec["models_per_pass"]}
+
+    def run_concurrent(spec, num_models, timeout):
+        specs.append({**spec, "task": "single", "num_models": num_models})
+        if "single" in timeouts:
+            raise subprocess.TimeoutExpired("single", timeout)
+        return [{"epoch_seconds": [1.0], "epoch_cpu_seconds": [2.0],
+                 "peak_rss_mb": 10.0}] * num_models
+
+    monkeypatch.setattr(run, "run_worker", run_worker)
+    monkeypatch.setattr(run, "run_concurrent", run_concurrent)
+    return specs
+
+
+def fake_run(tmp_path, *flags):
+    return ["--steps", "2", "--epochs", "1", "--warmup_steps", "1",
+            "--stock_jit", "false", "--output_dir", str(tmp_path), *flags]
+
+
+def read_table(tmp_path):
+    with open(tmp_path / "results.csv") as file:
+        return list(csv.DictReader(file))
+
+
+@pytest.mark.parametrize("task", ["serial", "single", "fused"])
+def test_a_timed_out_mode_is_recorded_and_the_run_goes_on(task, tmp_path,
+                                                          monkeypatch):
+    fake_workers(monkeypatch, timeouts=(task,))
+    run.main(fake_run(tmp_path, "--model", "mlp,pointnet", "--num_models",
+                      "1,2", "--fused_jit", "best"))
+    table = read_table(tmp_path)
+    mode = {"single": "concurrent"}.get(task, task)
+    assert [(r["model"], r["num_models"]) for r in table[::3]] == [
+        ("mlp", "1"), ("mlp", "2"), ("pointnet", "1"), ("pointnet", "2")]
+    for row in table:
+        timed_out = row["mode"] == mode
+        assert row["timeouts"] == ("1" if timed_out else "0")
+        assert row["repeats"] == ("0" if timed_out else "1")
+        assert (row["samples_per_s"] == "") == timed_out
+        # No serial measurement, no speedup; none for a missing mode.
+        assert (row["speedup"] == "") == (timed_out or task == "serial")
+    markdown = (tmp_path / "results.md").read_text()
+    assert markdown.count("timed out") == 4
+
+
+def test_a_timed_out_probe_skips_its_model(tmp_path, monkeypatch):
+    def fail(spec):
+        if spec["task"] == "probe" and spec["model"] == "mlp":
+            raise subprocess.TimeoutExpired("probe", 1)
+
+    fake_workers(monkeypatch, fail=fail)
+    run.main(fake_run(tmp_path, "--model", "mlp,pointnet", "--num_models",
+                      "2"))
+    assert {r["model"] for r in read_table(tmp_path)} == {"pointnet"}
+
+
+def test_concurrent_throughput_sums_each_process_median_epoch(monkeypatch):
+    args = run.parse_args(["--timeout", "10"])
+    # The first epoch of each process is slow (say, a late start); the
+    # medians are 1 s and 2 s.
+    results = [{"epoch_seconds": [9.0, 1.0, 1.0],
+                "epoch_cpu_seconds": [9.0, 3.0, 3.0], "peak_rss_mb": 5.0},
+               {"epoch_seconds": [9.0, 2.0, 2.0],
+                "epoch_cpu_seconds": [9.0, 4.0, 4.0], "peak_rss_mb": 7.0}]
+    monkeypatch.setattr(run, "run_concurrent",
+                        lambda spec, num_models, timeout: results)
+    seconds, cpu_seconds, rss, jit, per_pass = run.measure_mode(
+        args, "concurrent", 2, {"jit_compile": True})
+    # 1 + 1/2 rounds of one model per second: two models' round in 4/3 s.
+    assert seconds == pytest.approx(4 / 3)
+    assert cpu_seconds == pytest.approx(7.0)
+    assert (rss, jit, per_pass) == (12.0, True, None)
+
+
+def test_models_per_pass_is_clamped_to_each_array_size(tmp_path,
+                                                       monkeypatch):
+    specs = fake_workers(monkeypatch)
+    run.main(fake_run(tmp_path, "--num_models", "1,4", "--modes", "fused",
+                      "--fused_jit", "false", "--models_per_pass", "2"))
+    assert [s["models_per_pass"] for s in specs
+            if s["task"] == "fused"] == [1, 2]
+    assert [r["models_per_pass"] for r in read_table(tmp_path)] == ["1", "2"]
+
+
+def test_models_per_pass_all_is_what_a_gan_array_does():
+    work = Workload("dcgan", batch_size=4,
+                    model_args={"latent_dim": 8, "filters": 4,
+                                "image_size": 8},
+                    data_args={"image_size": 8})
+    for setting in (None, 2):
+        assert work.fused_model(2, jit_compile=False,
+                                models_per_pass=setting).compiled
+    with pytest.raises(ValueError, match="'auto' or 'all'"):
+        work.fused_model(2, jit_compile=False, models_per_pass=1)
+
+
+def test_the_csv_is_written_after_every_array_size(tmp_path, monkeypatch):
+    def fail(spec):
+        if spec["task"] == "fused" and spec["num_models"] == 2:
+            raise RuntimeError("the run died")
+
+    fake_workers(monkeypatch, fail=fail)
+    with pytest.raises(RuntimeError, match="the run died"):
+        run.main(fake_run(tmp_path, "--num_models", "1,2", "--modes",
+                          "serial,fused", "--fused_jit", "false"))
+    assert [(r["mode"], r["num_models"]) for r in read_table(tmp_path)] == [
+        ("serial", "1"), ("fused", "1")]
+
+
+def test_an_unusable_output_dir_stops_the_run_before_measuring(
+        tmp_path, monkeypatch):
+    specs = fake_workers(monkeypatch)
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    with pytest.raises(SystemExit, match="--output_dir"):
+        run.main(fake_run(taken / "results"))
+    assert specs == []
+
+
+def test_report_creates_its_directory(tmp_path):
+    rows = [{"model": "mlp", "mode": "serial", "num_models": 1,
+             "samples_per_s": 10.0}]
+    run.report(rows, tmp_path / "new" / "dir")
+    assert (tmp_path / "new" / "dir" / "results.md").exists()
+
+
+def guarded_data(samples):
+    """Recipe data of `samples` samples (two features, a label) whose
+    input pipeline fails on its 100th pass: a loop over it that would
+    never end fails instead."""
+    passes = []
+
+    def generate():
+        passes.append(1)
+        if len(passes) > 100:
+            raise RuntimeError("looped forever")
+        for index in range(samples):
+            yield np.zeros(2, "float32"), np.float32(index)
+
+    def data(batch_size, seed=0, **kwargs):
+        train = tf.data.Dataset.from_generator(generate, output_signature=(
+            tf.TensorSpec((2,)), tf.TensorSpec(())))
+        return train.batch(batch_size), None
+
+    return data
+
+
+@pytest.mark.parametrize("samples,count,match", [
+    (10, 0, "at least one batch"),
+    (3, 2, "no full batch"),
+])
+def test_workload_batches_reject_what_they_cannot_give(samples, count,
+                                                       match):
+    work = Workload("mlp", batch_size=4)
+    work.recipe = dataclasses.replace(work.recipe,
+                                      data=guarded_data(samples))
+    with pytest.raises(ValueError, match=match):
+        work.batches(count)
+
+
 def test_workload_batches_are_full_and_repeat():
     work = Workload("mlp", batch_size=16)
     batches = work.batches(3)
@@ -119,6 +351,10 @@ def test_workload_batches_are_full_and_repeat():
     assert x.shape == (3, 16, 8, 8, 1) and y.shape == (3, 16)
     element = next(iter(work.dataset(3)))
     assert element[0].shape == (16, 8, 8, 1)
+    # Data with fewer full batches than asked for are cycled through.
+    small = Workload("mlp", batch_size=4)
+    small.recipe = dataclasses.replace(small.recipe, data=guarded_data(10))
+    assert small.batches(5)[1][:, 0].tolist() == [0, 4, 0, 4, 0]
 
 
 def test_stock_gan_twin_trains_like_the_array():
