@@ -99,6 +99,9 @@ def fuse(model, num_models, shared_inputs=True, name=None,
     # Saved with the array's config, so that a reloaded (or selected)
     # array is laid out as asked; "auto" decides again where it loads.
     array._layout = requested
+    # The model's dtype policy, not the global one where they differ:
+    # `compile` adds loss scaling to a mixed_float16 array as to its model.
+    array.dtype_policy = model.dtype_policy
     # The outputs' names are the stock model's (loss and label dicts, logs),
     # also where an output comes from a layer of the array's own (a move of
     # the model axis back to the batch first).

@@ -1329,7 +1329,11 @@ class FusedModel(keras.Model):
         active (not frozen, not diverged) and its losses and gradients are
         finite; a model whose loss or gradient turns non-finite is frozen
         with its last finite weights (its moving statistics too, given the
-        `state` from `model_state()`), and logged once.
+        `state` from `model_state()`), and logged once. Under loss-scaling
+        optimizers (`skips_nonfinite_steps`), which skip a model's
+        non-finite step and halve its scale themselves as stock Keras does,
+        a model is frozen only once its loss scale is below 1
+        (`rescales_models()`).
 
         Args:
             updates: `(optimizer, gradients, variables)` triples, each a
@@ -1343,12 +1347,20 @@ class FusedModel(keras.Model):
             The `[B]` booleans of the models that took the step.
         """
         checked = list(keras.tree.flatten(losses))
+        scaling = [optimizer for optimizer, _, _ in updates
+                   if getattr(optimizer, "skips_nonfinite_steps", False)]
         for optimizer, gradients, _ in updates:
             # A loss-scaling optimizer skips non-finite gradients itself,
             # per model: they are no sign of divergence there.
-            if not getattr(optimizer, "skips_nonfinite_steps", False):
+            if optimizer not in scaling:
                 checked.extend(gradients)
         finite = _finite_per_model(checked, self.num_models)
+        if updates and len(scaling) == len(updates):
+            # Under loss scaling alone a non-finite loss is a float16
+            # overflow too, which the optimizer skips and rescales as stock
+            # Keras does; a model diverged where its scale fell below 1.
+            for optimizer in scaling:
+                finite = ops.logical_or(finite, optimizer.rescales_models())
         active = self._status.active > 0
         training = ops.logical_and(active, finite)
         for optimizer, gradients, variables in updates:

@@ -437,3 +437,54 @@ def test_trainable_flags_set_after_fusing_are_kept(tmp_path):
               array.select([1]), *array.unfuse()]
     for copy in copies:
         assert trainable(copy) == expected
+
+
+# -- dtype policies ------------------------------------------------------------
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("layout", ["models_first", "batch_first"])
+def test_float32_layers_under_a_mixed_policy_compute_in_float32(
+        mixed_float16, layout):
+    # Every layer float32 under a global mixed_float16 policy: stock Keras
+    # computes all in float32, and so must the layers that `fuse` adds
+    # (the broadcast of the shared input, the swaps between layouts, the
+    # folds of weightless layers and of raw operations).
+    x = keras.Input((6, 6, 2))
+    h = keras.layers.LayerNormalization(dtype="float32")(x)
+    h = keras.layers.Conv2D(4, 3, padding="same", dtype="float32")(h)
+    h = keras.layers.Activation("tanh", dtype="float32")(h)
+    h = keras.ops.sin(h)
+    h = keras.layers.GlobalAveragePooling2D(dtype="float32")(h)
+    h = keras.layers.LayerNormalization(dtype="float32")(h)
+    model = keras.Model(x, keras.layers.Dense(3, dtype="float32")(h))
+    array = hftatf.fuse(model, 2, layout=layout)
+    assert array.outputs[0].dtype == "float32"
+    # Values float16 would round (its spacing at 100 is 1/16).
+    rng = np.random.default_rng(0)
+    data = (100 + 0.05 * rng.normal(size=(4, 6, 6, 2))).astype("float32")
+    outputs = keras.ops.convert_to_numpy(array(data))
+    assert outputs.dtype == np.float32
+    for b, stock in enumerate(array.unfuse()):
+        expected = keras.ops.convert_to_numpy(stock(data))
+        assert_close(outputs[:, b], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_array_keeps_the_policy_its_model_was_built_with():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = mlp()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    for array in (hftatf.fuse(model, 2), hftatf.fuse_models([model] * 2)):
+        assert array.dtype_policy.name == "mixed_float16"
+        # As stock `compile` does for a mixed_float16 model.
+        array.compile(hftatf.optimizers.SGD(0.1), loss="mse")
+        assert isinstance(array.optimizer,
+                          hftatf.optimizers.LossScaleOptimizer)

@@ -252,6 +252,9 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
         if stock_regularizer is not None:
             # Applied to the folded output it would be one loss for all.
             layer.activity_regularizer = None
+        # The stock layer's dtype policy (a float32 layer of a mixed model
+        # stays float32), not the global one.
+        kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(layer, **kwargs)
         self.num_models = check_num_models(num_models)
         self.models_first = bool(models_first)
@@ -485,7 +488,9 @@ class BroadcastToModels(keras.layers.Layer):
     """
 
     def __init__(self, num_models, models_first=False, **kwargs):
-        super().__init__(**kwargs)
+        # It moves values and never casts them: a float32 tensor of a
+        # mixed-precision model stays float32.
+        super().__init__(autocast=False, **kwargs)
         self.num_models = check_num_models(num_models)
         self.models_first = bool(models_first)
         self.supports_masking = True
@@ -530,7 +535,9 @@ class FoldModelAxis(keras.layers.Layer):
     """
 
     def __init__(self, num_models, **kwargs):
-        super().__init__(**kwargs)
+        # It moves values and never casts them: a float32 tensor of a
+        # mixed-precision model stays float32.
+        super().__init__(autocast=False, **kwargs)
         self.num_models = check_num_models(num_models)
         self.supports_masking = True
 
@@ -558,7 +565,9 @@ class UnfoldModelAxis(keras.layers.Layer):
     `FoldModelAxis`."""
 
     def __init__(self, num_models, **kwargs):
-        super().__init__(**kwargs)
+        # It moves values and never casts them: a float32 tensor of a
+        # mixed-precision model stays float32.
+        super().__init__(autocast=False, **kwargs)
         self.num_models = check_num_models(num_models)
         self.supports_masking = True
 
@@ -599,7 +608,9 @@ class SwapModelAxis(keras.layers.Layer):
     """
 
     def __init__(self, models_first=None, **kwargs):
-        super().__init__(**kwargs)
+        # It moves values and never casts them: a float32 tensor of a
+        # mixed-precision model stays float32.
+        super().__init__(autocast=False, **kwargs)
         self.supports_masking = True
         self.models_first = None if models_first is None else bool(
             models_first)

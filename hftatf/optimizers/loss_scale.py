@@ -119,6 +119,16 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
         # its own to store.
         keras.optimizers.Optimizer.build(self, var_list)
 
+    def rescales_models(self):
+        """`[B]` booleans: the models whose non-finite steps this optimizer
+        still treats as overflows (skipping the step and halving the scale,
+        as stock Keras does): those whose scale is at least 1. A scale
+        halved below 1 no longer scales the loss up: the model's own values
+        overflow, and the array freezes it as diverged."""
+        if not self.built:
+            return ops.full((self.num_models,), self.initial_scale >= 1)
+        return ops.greater_equal(self.dynamic_scale, 1.0)
+
     # -- scaling ------------------------------------------------------------
 
     def scale_model_losses(self, losses):
