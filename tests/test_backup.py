@@ -30,25 +30,26 @@ def load(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kill_epoch, kill_batch", [(1, 3), (2, 0)])
-def test_killed_run_resumes_to_the_uninterrupted_weights(
-        tmp_path, kill_epoch, kill_batch):
+def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path):
     whole = run(tmp_path / "whole_backup", tmp_path / "whole.npz")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    killed = run(tmp_path / "backup", tmp_path / "resumed.npz",
-                 kill_epoch, kill_batch)
-    assert killed.returncode == -signal.SIGKILL
-    assert not (tmp_path / "resumed.npz").exists()
-    # The backup of the last completed epoch is there.
-    metadata = json.loads((tmp_path / "backup" / METADATA).read_text())
-    assert metadata["epoch"] == kill_epoch
-    resumed = run(tmp_path / "backup", tmp_path / "resumed.npz")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected, actual = load(tmp_path / "whole.npz"), load(
-        tmp_path / "resumed.npz")
-    assert len(expected) == len(actual)
-    for ours, theirs in zip(actual, expected):
-        np.testing.assert_array_equal(ours, theirs)
+    expected = load(tmp_path / "whole.npz")
+    # Killed inside an epoch, and as an epoch begins.
+    for kill_epoch, kill_batch in [(1, 3), (2, 0)]:
+        case = tmp_path / f"killed_{kill_epoch}_{kill_batch}"
+        killed = run(case / "backup", case / "resumed.npz", kill_epoch,
+                     kill_batch)
+        assert killed.returncode == -signal.SIGKILL
+        assert not (case / "resumed.npz").exists()
+        # The backup of the last completed epoch is there.
+        metadata = json.loads((case / "backup" / METADATA).read_text())
+        assert metadata["epoch"] == kill_epoch
+        resumed = run(case / "backup", case / "resumed.npz")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        actual = load(case / "resumed.npz")
+        assert len(expected) == len(actual)
+        for ours, theirs in zip(actual, expected):
+            np.testing.assert_array_equal(ours, theirs)
 
 
 def small_array(num_models=2, units=2):

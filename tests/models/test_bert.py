@@ -180,7 +180,8 @@ def test_array_masked_lm_loss_decreases_clearly():
     array.compile(hftatf.optimizers.Adam([2e-3, 1e-3, 5e-4]),
                   loss=text.masked_lm_loss())
     start = array.evaluate(validation, verbose=0, return_dict=True)
-    history = array.fit(train, epochs=4, validation_data=validation,
+    # After 2 epochs the models are at 5.0-5.1.
+    history = array.fit(train, epochs=2, validation_data=validation,
                         verbose=0)
     for b in range(3):
         initial = start[f"loss_{b}"]
