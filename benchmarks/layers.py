@@ -42,6 +42,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from benchmarks import flags  # noqa: E402
 from benchmarks.workloads import parse_overrides  # noqa: E402
 from hftatf.layers import registry  # noqa: E402
 
@@ -89,23 +90,13 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=5,
                         help="side-by-side rounds (medians are reported)")
     args = parser.parse_args(argv)
-    try:
-        args.num_models = [int(b) for b in args.num_models.split(",")]
-        jit_names = [j.strip().lower() for j in args.jit.split(",")]
-        if any(b < 1 for b in args.num_models) or not set(jit_names) <= {
-                "true", "false"}:
-            raise ValueError
-    except ValueError:
-        parser.error("--num_models takes positive integers and --jit "
-                     "true/false, comma-separated")
+    args.num_models = flags.array_sizes(parser, args.num_models)
+    jit_names = flags.comma_list(parser, "--jit", args.jit.lower())
+    if not set(jit_names) <= {"true", "false"}:
+        parser.error(f"--jit takes true and false, comma-separated; "
+                     f"received {args.jit!r}")
     args.jit = [j == "true" for j in jit_names]
-    for flag, values in (("--num_models", args.num_models),
-                         ("--jit", args.jit)):
-        if len(set(values)) < len(values):
-            parser.error(f"{flag} lists a value more than once; name each "
-                         "once")
-    if args.steps < 1 or args.rounds < 1:
-        parser.error("--steps and --rounds must be positive")
+    flags.check_minimums(parser, args, {"steps": 1, "rounds": 1})
     if args.layer is None:
         if args.config or args.input_shape:
             parser.error("--config and --input_shape need --layer")

@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 from keras import layers, ops  # noqa: E402
 
 import hftatf  # noqa: E402
+from benchmarks import flags  # noqa: E402
 from benchmarks.measure import timed_fit  # noqa: E402
 
 VOCAB, MAXLEN, EMBED, HEADS, FF = 2000, 64, 32, 2, 64
@@ -122,21 +123,9 @@ def parse_args(argv):
     parser.add_argument("--warmup_steps", type=int, default=3,
                         help="untimed steps before each timed fit")
     args = parser.parse_args(argv)
-    try:
-        args.num_models = [int(b) for b in args.num_models.split(",")]
-    except ValueError:
-        parser.error("--num_models must be a comma list of positive "
-                     f"integers; received {args.num_models!r}")
-    if any(b < 1 for b in args.num_models):
-        parser.error(f"--num_models must be positive; received "
-                     f"{args.num_models}")
-    if len(set(args.num_models)) < len(args.num_models):
-        parser.error(f"--num_models lists an array size more than once; "
-                     f"received {args.num_models}")
-    for name in ("batch_size", "steps", "rounds", "warmup_steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1; received "
-                         f"{getattr(args, name)}")
+    args.num_models = flags.array_sizes(parser, args.num_models)
+    flags.check_minimums(parser, args, dict.fromkeys(
+        ("batch_size", "steps", "rounds", "warmup_steps"), 1))
     return args
 
 

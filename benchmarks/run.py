@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks import worker
+from benchmarks import flags, worker
 from benchmarks.measure import summarize
 from benchmarks.workloads import parse_overrides
 
@@ -169,24 +169,14 @@ def parse_args(argv):
         # values.
         parser.set_defaults(**QUICK_DEFAULTS)
         args = parser.parse_args(argv)
-    for name, least in MINIMUMS.items():
-        if getattr(args, name) < least:
-            parser.error(f"--{name} must be at least {least}; received "
-                         f"{getattr(args, name)}")
+    flags.check_minimums(parser, args, MINIMUMS)
     for name in ("epoch_seconds", "timeout"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name} must be a positive number of seconds; "
                          f"received {getattr(args, name)}")
     args.models = _models(parser, args.model)
-    try:
-        args.num_models = _names(parser, "--num_models", args.num_models,
-                                 int)
-    except ValueError:
-        parser.error(f"--num_models must be a comma list of integers: "
-                     f"{args.num_models!r}")
-    if any(b < 1 for b in args.num_models):
-        parser.error(f"--num_models must be positive: {args.num_models}")
-    args.modes = _names(parser, "--modes", args.modes)
+    args.num_models = flags.array_sizes(parser, args.num_models)
+    args.modes = flags.comma_list(parser, "--modes", args.modes)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown --modes {unknown}; known: {list(MODES)}")
@@ -219,27 +209,12 @@ def parse_args(argv):
     return args
 
 
-def _names(parser, flag, text, kind=str):
-    """The items of the comma list `text` of `flag`, each made a `kind`:
-    at least one, and no item twice (a duplicate would be measured twice
-    and corrupt its row)."""
-    items = [kind(item.strip()) for item in text.split(",") if item.strip()]
-    if not items:
-        parser.error(f"{flag} must name at least one value; received "
-                     f"{text!r}")
-    duplicates = sorted({str(i) for i in items if items.count(i) > 1})
-    if duplicates:
-        parser.error(f"{flag} lists {', '.join(duplicates)} more than once; "
-                     "name each once")
-    return items
-
-
 def _models(parser, text):
     """The zoo recipes `--model` names ('all': every one)."""
     from hftatf.models import recipes
 
     known = list(recipes.names())
-    models = _names(parser, "--model", text)
+    models = flags.comma_list(parser, "--model", text)
     if "all" in models:
         if len(models) > 1:
             parser.error("--model all stands alone: it names every zoo "

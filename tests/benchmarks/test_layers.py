@@ -49,8 +49,8 @@ def test_parse_args_rejects_bad_input(argv):
 @pytest.mark.parametrize("argv,message", [
     (["--layer", "Dense", "--input_shape", "8,4"],
      "--config '' does not make a keras.layers.Dense"),
-    (["--num_models", "2,2"], "--num_models lists a value more than once"),
-    (["--jit", "true,true"], "--jit lists a value more than once"),
+    (["--num_models", "2,2"], "--num_models lists 2 more than once"),
+    (["--jit", "true,true"], "--jit lists true more than once"),
     (["--layer", "Dense", "--config", "units=2", "--input_shape", "0,4"],
      "--input_shape takes positive integers"),
     (["--layer", "Dense", "--config", "units=2", "--input_shape", "8,x"],

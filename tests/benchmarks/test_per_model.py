@@ -21,8 +21,8 @@ def test_parse_args_reads_the_array_sizes():
 @pytest.mark.parametrize("argv,message", [
     (["--rounds", "0"], "--rounds must be at least 1"),
     (["--num_models", "0"], "--num_models must be positive"),
-    (["--num_models", "x"], "--num_models must be a comma list"),
-    (["--num_models", "2,2"], "--num_models lists an array size more"),
+    (["--num_models", "x"], "--num_models must be a comma list of int"),
+    (["--num_models", "2,2"], "--num_models lists 2 more than once"),
     (["--warmup_steps", "0"], "--warmup_steps must be at least 1"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--batch_size", "0"], "--batch_size must be at least 1"),
