@@ -757,7 +757,13 @@ def _round(value):
 def _describe(name, values):
     flag = "--learning_rate" if name == "learning_rate" else (
         f"--optimizer_args {name}")
-    return f"{flag}={','.join(f'{v:g}' for v in values)}"
+    return f"{flag}={','.join(_number_text(v) for v in values)}"
+
+
+def _number_text(value):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:g}"
+    return str(value)
 
 
 def _hyperparameter_names(cls):

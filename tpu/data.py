@@ -144,8 +144,15 @@ def _recipe_source(recipe, config):
     seed = config.seed
 
     def make(batch_size, context):
-        train, validation = recipe.data(batch_size=batch_size, seed=seed,
-                                        **args)
+        try:
+            train, validation = recipe.data(batch_size=batch_size,
+                                            seed=seed, **args)
+        except (TypeError, ValueError) as error:
+            if not config.data_args:
+                raise
+            raise ConfigError(
+                f"--data_args {config.data_args}: the data of recipe "
+                f"{recipe.name!r} refused them: {error}") from None
         return (_shard_batches(train, context),
                 None if validation is None else _shard_batches(
                     validation, context))
@@ -320,6 +327,7 @@ class Inputs:
         validation_steps: validation steps per epoch (0 without one).
         per_replica_batch_size: examples per replica per step.
         num_input_pipelines: the input pipelines (hosts).
+        element_spec: the `tf.TypeSpec`s of one replica's training batch.
     """
 
     train: object
@@ -328,6 +336,7 @@ class Inputs:
     validation_steps: int
     per_replica_batch_size: int
     num_input_pipelines: int
+    element_spec: object = None
 
 
 def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
@@ -426,6 +435,7 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
     else:
         validation_steps = whole_steps(
             [validation for _, validation in passes], "validation")
+    element_spec = passes[0][0].element_spec
     del passes
     skip = initial_epoch * steps_per_epoch * local
 
@@ -469,4 +479,5 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
                   steps_per_epoch=steps_per_epoch,
                   validation_steps=validation_steps,
                   per_replica_batch_size=batch,
-                  num_input_pipelines=len(contexts))
+                  num_input_pipelines=len(contexts),
+                  element_spec=element_spec)

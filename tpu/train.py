@@ -268,23 +268,27 @@ def train(config, callbacks=()):
         initial_epoch=initial_epoch,
         static_shapes=isinstance(strategy, tf.distribute.TPUStrategy))
 
-    _check_resumed_config(config, model_dir, initial_epoch)
-    config.write(model_dir)
-    history_path = model_dir / results.HISTORY_FILE
-    results.trim_history(history_path, initial_epoch)
-    if initial_epoch == 0:
-        shutil.rmtree(model_dir / LOG_DIR, ignore_errors=True)
-    else:
-        logging.warning("Resuming %s from its backup at epoch %d of %d.",
-                        model_dir, initial_epoch, config.epochs)
-    logging.info("Training %d %s models on %d replica(s) of %s; data: %s.",
-                 num_models, config.model, replicas,
-                 type(strategy).__name__, source.description)
-
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(config.mixed_precision)
     try:
+        # Still before anything is written: a builder that refuses its
+        # arguments, or a model that does not take the data's examples.
         stock = build_model(recipe, config)
+        _check_examples_fit(stock, inputs.element_spec, recipe)
+
+        _check_resumed_config(config, model_dir, initial_epoch)
+        config.write(model_dir)
+        history_path = model_dir / results.HISTORY_FILE
+        results.trim_history(history_path, initial_epoch)
+        if initial_epoch == 0:
+            shutil.rmtree(model_dir / LOG_DIR, ignore_errors=True)
+        else:
+            logging.warning("Resuming %s from its backup at epoch %d of %d.",
+                            model_dir, initial_epoch, config.epochs)
+        logging.info(
+            "Training %d %s models on %d replica(s) of %s; data: %s.",
+            num_models, config.model, replicas, type(strategy).__name__,
+            source.description)
         with strategy.scope():
             array = hftatf.fuse(stock, num_models,
                                 model_class=recipe.model_class
@@ -411,10 +415,39 @@ def build_model(recipe, config):
             isinstance(value, list)) else value
     try:
         return recipe.build(**args)
-    except TypeError as error:
+    except (TypeError, ValueError) as error:
         raise ConfigError(
             f"--model_args {config.model_args}: model {recipe.name!r} "
             f"refused them: {error}") from None
+
+
+def _check_examples_fit(model, element_spec, recipe):
+    """Refuses a model whose inputs do not take the data's examples (e.g.
+    `--data_args=image_size=16` for a model built for 32 x 32 images)."""
+    if not isinstance(element_spec, tuple):
+        return
+    features = element_spec[0]
+    if isinstance(features, dict):
+        names = [x.name for x in model.inputs]
+        if set(names) != set(features):
+            return  # Keras names the difference.
+        pairs = [(name, features[name], x)
+                 for name, x in zip(names, model.inputs)]
+    else:
+        specs = keras.tree.flatten(features)
+        if len(specs) != len(model.inputs):
+            return
+        pairs = [(x.name, spec, x) for spec, x in zip(specs, model.inputs)]
+    for name, spec, tensor in pairs:
+        given, taken = tuple(spec.shape)[1:], tuple(tensor.shape)[1:]
+        if len(given) != len(taken) or any(
+                a is not None and b is not None and a != b
+                for a, b in zip(given, taken)):
+            raise ConfigError(
+                f"Model {recipe.name!r} takes {name} of shape {taken}, but "
+                f"the data's examples have shape {given}: make --model_args "
+                "and --data_args agree (e.g. --data_args=image_size=16 with "
+                "--model_args=input_shape=[16,16,3]).")
 
 
 def make_learning_rate(config, rates, steps_per_epoch):

@@ -240,6 +240,8 @@ INVALID = [
     (dict(seed=-1), "--seed must be an integer from 0 to 2"),
     (dict(seed=2**32), "--seed must be an integer from 0 to 2"),
     (dict(verbose=7), "--verbose must be 0 .silent., 1"),
+    (dict(optimizer="adamw", optimizer_args="weight_decay=[0,abc]"),
+     "Per-model values of 'weight_decay' must be numbers"),
     (dict(schedule="step", schedule_args="decay_epochs=0"),
      "decay_epochs must be > 0"),
     (dict(schedule="exponential", schedule_args="decay_epochs=0"),

@@ -84,6 +84,13 @@ def test_more_validation_steps_than_the_validation_set_holds_is_an_error():
         data.distributed_inputs(cpu(), source(), 64, eval_steps=7)
 
 
+def test_data_args_the_recipe_refuses_are_a_config_error():
+    refused = source(model="pointnet", data_args="samples_per_shape=-3")
+    with pytest.raises(ConfigError, match="--data_args .* the data of "
+                       "recipe 'pointnet' refused them: .*must be positive"):
+        data.distributed_inputs(cpu(), refused, 8)
+
+
 def test_a_batch_larger_than_the_training_set_is_an_error():
     with pytest.raises(ValueError, match="not one step"):
         data.distributed_inputs(cpu(), source(), 4096)

@@ -233,6 +233,30 @@ def test_resuming_another_number_of_models_fails_before_writing(tmp_path):
     assert files() == written
 
 
+@pytest.mark.parametrize("values, message", [
+    # resnet18's builder takes **kwargs: a misspelt name reaches the build.
+    (dict(model_args={"input_shape": [8, 8, 3], "widht": 0.0625}),
+     "refused them.*widht"),
+    (dict(model_args={"input_shape": [8, 8, 3], "width": "abc"}),
+     "refused them"),
+    # Images of 8 x 8 for a model built for 16 x 16.
+    (dict(model_args={"input_shape": [16, 16, 3], "width": 0.0625}),
+     r"takes images of shape \(16, 16, 3\), but the data's examples "
+     r"have shape \(8, 8, 3\)"),
+])
+def test_a_model_that_cannot_train_fails_before_a_run_is_overwritten(
+        tmp_path, values, message):
+    model_dir = tmp_path / "resnet18"
+    (model_dir / "logs").mkdir(parents=True)
+    for name in ("config.yaml", "history.csv", "logs/events"):
+        (model_dir / name).write_text(f"the previous run's {name}")
+    with pytest.raises(ConfigError, match=message):
+        train.train(one_step("resnet18", tmp_path, **values))
+    for name in ("config.yaml", "history.csv", "logs/events"):
+        assert (model_dir / name).read_text() == (
+            f"the previous run's {name}")
+
+
 def test_a_training_set_of_less_than_one_step_fails_before_writing(
         tmp_path):
     config = one_step("mlp", tmp_path, train_steps=None, batch_size=4096)
