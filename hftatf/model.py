@@ -1357,10 +1357,13 @@ class FusedModel(keras.Model):
         finite = _finite_per_model(checked, self.num_models)
         if updates and len(scaling) == len(updates):
             # Under loss scaling alone a non-finite loss is a float16
-            # overflow too, which the optimizer skips and rescales as stock
-            # Keras does; a model diverged where its scale fell below 1.
-            for optimizer in scaling:
-                finite = ops.logical_or(finite, optimizer.rescales_models())
+            # overflow too, which the optimizers skip and rescale as stock
+            # Keras does; a model diverged where a scale fell below 1.
+            rescaled = scaling[0].rescales_models()
+            for optimizer in scaling[1:]:
+                rescaled = ops.logical_and(rescaled,
+                                           optimizer.rescales_models())
+            finite = ops.logical_or(finite, rescaled)
         active = self._status.active > 0
         training = ops.logical_and(active, finite)
         for optimizer, gradients, variables in updates:
