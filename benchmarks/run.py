@@ -22,8 +22,10 @@ measurement runs in a fresh process, so its peak memory (RSS; summed over
 the processes of the concurrent mode) is its own. With `--repeats R` every
 measurement is repeated R times, the order of the modes rotating, and the
 speedups are the medians of the ratios of measurements made side by side.
-A measurement that runs past `--timeout` is recorded as timed out (its row
-has no throughput and no speedup) and the run goes on.
+A measurement that runs past `--timeout` is recorded as timed out, and one
+whose worker crashes as failed (its error is printed); neither has a
+throughput or a speedup, and the run goes on. The run exits with status 1
+when a measurement failed.
 
     python -m benchmarks.run --quick
     python -m benchmarks.run --model mlp,pointnet --num_models 1,2,4,8,16
@@ -61,14 +63,16 @@ from benchmarks.measure import summarize
 from benchmarks.workloads import parse_overrides
 
 MODES = ("serial", "concurrent", "fused")
+# What `benchmark_model` records for a measurement that did not finish.
+TIMED_OUT, FAILED = "timed out", "failed"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # The columns of results.csv.
 COLUMNS = (
     "model", "mode", "num_models", "batch_size", "steps", "epochs",
-    "repeats", "timeouts", "jit_compile", "models_per_pass", "samples_per_s",
-    "samples_per_s_min", "samples_per_s_max", "speedup", "speedup_min",
-    "speedup_max",
+    "repeats", "timeouts", "failures", "jit_compile", "models_per_pass",
+    "samples_per_s", "samples_per_s_min", "samples_per_s_max", "speedup",
+    "speedup_min", "speedup_max",
     "cpu_samples_per_s", "cpu_speedup", "peak_rss_mb", "step_gflop",
     "gflop_per_s", "matmul_peak_gflop_per_s", "percent_of_peak",
     "load_average",
@@ -246,11 +250,15 @@ def _environment():
     return env
 
 
+class WorkerError(RuntimeError):
+    """A benchmark worker process that ended without a result."""
+
+
 def _parse_result(stdout, stderr, spec):
     for line in reversed(stdout.splitlines()):
         if line.startswith(worker.RESULT_PREFIX):
             return json.loads(line[len(worker.RESULT_PREFIX):])
-    raise RuntimeError(
+    raise WorkerError(
         f"Benchmark worker {spec['task']} for {spec['model']} (B="
         f"{spec.get('num_models')}) failed:\n{stderr[-4000:]}")
 
@@ -293,7 +301,7 @@ def run_concurrent(spec, num_models, timeout):
                 raise subprocess.TimeoutExpired(_command(spec), timeout)
             if not line:
                 log.seek(0)
-                raise RuntimeError(
+                raise WorkerError(
                     f"A concurrent worker for {spec['model']} exited "
                     f"before it was ready:\n{log.read()[-4000:]}")
         alarm.cancel()
@@ -325,6 +333,10 @@ def _expire(expired, processes):
 
 
 # -- one model -------------------------------------------------------------
+
+
+def _missing(measurement):
+    return isinstance(measurement, str)
 
 
 def _median(values):
@@ -368,7 +380,8 @@ def measure_mode(args, mode, num_models, spec):
 
     Every mode times epochs alike: each process's median epoch. Raises
     `subprocess.TimeoutExpired` when the mode did not finish within
-    `--timeout` (for the fused mode: under no `jit_compile` setting).
+    `--timeout`, and `WorkerError` when its worker crashed (for the fused
+    mode: under no `jit_compile` setting; a crash wins over a timeout).
     """
     if mode == "serial":
         result = run_worker({**spec, "task": "serial",
@@ -391,18 +404,26 @@ def measure_mode(args, mode, num_models, spec):
                 None)
     settings = ([False, True] if args.fused_jit == "best"
                 else [spec["fused_jit_compile"]])
-    best, timeout = None, args.timeout
+    best, timeout, error = None, args.timeout, None
     for jit in settings:
         started = time.perf_counter()
         try:
             result = run_worker({**spec, "task": "fused",
                                  "num_models": num_models,
                                  "fused_jit_compile": jit}, timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as expired:
             # Far slower than the setting already measured: not the best.
             print(f"[{spec['model']}] B={num_models} fused with "
                   f"jit_compile={jit}: stopped after {timeout:.0f} s",
                   flush=True)
+            if not isinstance(error, WorkerError):
+                error = expired
+            continue
+        except WorkerError as crashed:
+            # E.g. an XLA compilation failure: the other setting may run.
+            print(f"[{spec['model']}] B={num_models} fused with "
+                  f"jit_compile={jit} failed: {crashed}", flush=True)
+            error = crashed
             continue
         seconds = _median(result["epoch_seconds"])
         if best is None or seconds < best[0]:
@@ -413,7 +434,7 @@ def measure_mode(args, mode, num_models, spec):
         timeout = min(args.timeout, max(
             120.0, 3 * (time.perf_counter() - started)))
     if best is None:
-        raise subprocess.TimeoutExpired(_command(spec), args.timeout)
+        raise error
     return best
 
 
@@ -431,8 +452,9 @@ def benchmark_model(args, name):
     """Every mode at every B for the zoo model `name`: yields the CSV rows
     of each B (one per mode) as soon as they are measured.
 
-    A measurement that runs past `--timeout` is recorded as timed out (no
-    throughput) and the run goes on.
+    A measurement that runs past `--timeout` is recorded as timed out, and
+    one whose worker crashed as failed (no throughput); the run goes on. A
+    probe that times out or fails leaves the model out.
     """
     base = {"model": name, "batch_size": args.batch_size,
             "model_args": args.model_args, "data_args": args.data_args,
@@ -447,6 +469,11 @@ def benchmark_model(args, name):
     except subprocess.TimeoutExpired:
         print(f"[{name}] the probe ran past --timeout {args.timeout:.0f} s: "
               f"{name} is not measured", flush=True)
+        return
+    except WorkerError as error:
+        print(f"[{name}] the probe failed: {name} is not measured.\n{error}",
+              flush=True)
+        args.failed.append(f"{name} probe")
         return
     spec = {**base, "steps": probe["steps"],
             "jit_compile": probe["jit_compile"]}
@@ -464,7 +491,13 @@ def benchmark_model(args, name):
                 except subprocess.TimeoutExpired:
                     print(f"[{name}] B={num_models:<3} {mode:<10} timed out "
                           f"after {args.timeout:.0f} s", flush=True)
-                    measured[mode].append(None)
+                    measured[mode].append(TIMED_OUT)
+                    continue
+                except WorkerError as error:
+                    print(f"[{name}] B={num_models:<3} {mode:<10} failed:\n"
+                          f"{error}", flush=True)
+                    measured[mode].append(FAILED)
+                    args.failed.append(f"{name} B={num_models} {mode}")
                     continue
                 measured[mode].append((num_models * work / seconds, rss, jit,
                                        os.getloadavg()[0],
@@ -479,13 +512,15 @@ def benchmark_model(args, name):
 
 
 def _row(args, name, mode, num_models, values, serial, probe):
-    """The CSV row of one mode at B from its measurements (None for one
-    that timed out); `serial` holds the serial mode's, side by side."""
-    done = [v for v in values if v is not None]
+    """The CSV row of one mode at B from its measurements (`TIMED_OUT` or
+    `FAILED` for one that did not finish); `serial` holds the serial
+    mode's, side by side."""
+    done = [v for v in values if not _missing(v)]
     row = {"model": name, "mode": mode, "num_models": num_models,
            "batch_size": args.batch_size, "steps": probe["steps"],
            "epochs": args.epochs, "repeats": len(done),
-           "timeouts": len(values) - len(done)}
+           "timeouts": values.count(TIMED_OUT),
+           "failures": values.count(FAILED)}
     flops, peak = probe["step_flops"], probe["matmul_peak_flops"]
     row["matmul_peak_gflop_per_s"] = peak / 1e9
     if not done:
@@ -500,7 +535,7 @@ def _row(args, name, mode, num_models, values, serial, probe):
                 "cpu_samples_per_s": _median([v[4] for v in done])})
     # Ratios of measurements made side by side, where both finished.
     pairs = [(v, s) for v, s in zip(values, serial or [])
-             if v is not None and s is not None]
+             if not _missing(v) and not _missing(s)]
     if pairs:
         row["speedup"], row["speedup_min"], row["speedup_max"] = summarize(
             [v[0] / s[0] for v, s in pairs])
@@ -524,10 +559,14 @@ def _format(value, digits=1):
 
 
 def _throughput(row):
-    """A row's samples/s as printed: "timed out" where every measurement
-    of it ran past --timeout."""
-    if row.get("samples_per_s") is None and row.get("timeouts"):
-        return "timed out"
+    """A row's samples/s as printed: "failed" where no measurement of it
+    finished and one crashed, "timed out" where they all ran past
+    --timeout."""
+    if row.get("samples_per_s") is None:
+        if row.get("failures"):
+            return "failed"
+        if row.get("timeouts"):
+            return "timed out"
     return _format(row.get("samples_per_s"), 0)
 
 
@@ -622,7 +661,7 @@ def read_csv(path):
                     number = float(value)
                     parsed[key] = int(number) if key in (
                         "num_models", "batch_size", "steps", "epochs",
-                        "repeats", "timeouts") else number
+                        "repeats", "timeouts", "failures") else number
             rows.append(parsed)
     return rows
 
@@ -690,6 +729,7 @@ def main(argv=None):
         return report(rows, directory)
     _check_writable(directory)
     rows = []
+    args.failed = []
     if args.append:
         rows = [row for row in read_csv(directory / "results.csv")
                 if row["model"] not in args.models]
@@ -700,9 +740,17 @@ def main(argv=None):
             # measured.
             write_csv(rows, directory / "results.csv")
     if not rows:
-        raise SystemExit("Nothing was measured: every probe ran past "
-                         f"--timeout {args.timeout:.0f} s; raise --timeout.")
-    return report(rows, directory)
+        raise SystemExit(
+            "Nothing was measured: every probe ran past --timeout "
+            f"{args.timeout:.0f} s or failed (" + "; ".join(args.failed)
+            + "); see above.")
+    rows = report(rows, directory)
+    if args.failed:
+        raise SystemExit(
+            f"{len(args.failed)} measurement(s) failed (their errors are "
+            f"above): {'; '.join(args.failed)}. The others are in "
+            f"{directory / 'results.csv'}.")
+    return rows
 
 
 def _check_writable(directory):

@@ -251,8 +251,7 @@ def train(config, callbacks=()):
     source = data.resolve(config, recipe)
     model_dir = pathlib.Path(config.model_dir)
     backup_dir = model_dir / BACKUP_DIR
-    initial_epoch = backed_up_epoch(backup_dir)
-    _check_backup_fits(backup_dir, num_models)
+    initial_epoch = backed_up_epoch(backup_dir, num_models)
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
     strategy = make_strategy(config)
@@ -355,32 +354,27 @@ def make_strategy(config):
         raise ConfigError(f"--strategy={config.strategy}: {error}") from None
 
 
-def backed_up_epoch(backup_dir):
-    """The epoch a run resumes at from the backup in `backup_dir` (0 where
-    there is none)."""
-    metadata = _backup_metadata(backup_dir)
-    return 0 if metadata is None else metadata["epoch"]
+def backed_up_epoch(backup_dir, num_models):
+    """The epoch a run of `num_models` resumes at from the backup in
+    `backup_dir` (0 where there is none).
 
-
-def _check_backup_fits(backup_dir, num_models):
-    """Refuses to resume a backup of another number of models, before
-    anything of the killed run (config, history) is overwritten."""
+    Raises:
+        ConfigError: for an unreadable backup, or one of another number of
+            models: before anything of the killed run (config, history) is
+            overwritten.
+    """
     try:
-        backup.check_num_models(_backup_metadata(backup_dir), backup_dir,
-                                num_models)
+        metadata = backup.read_metadata(backup_dir)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        backup.check_num_models(metadata, backup_dir, num_models)
     except ValueError as error:
         raise ConfigError(
             f"{error} (Rerun with the killed run's settings, in its "
             "config.yaml, or pass another --model_dir to start afresh.)"
         ) from None
-
-
-def _backup_metadata(backup_dir):
-    """`hftatf.backup.read_metadata`, an unreadable backup a ConfigError."""
-    try:
-        return backup.read_metadata(backup_dir)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    return 0 if metadata is None else metadata["epoch"]
 
 
 def _check_resumed_config(config, model_dir, initial_epoch):

@@ -240,6 +240,65 @@ def test_a_timed_out_probe_skips_its_model(tmp_path, monkeypatch):
     assert {r["model"] for r in read_table(tmp_path)} == {"pointnet"}
 
 
+def crash(task, model=None, num_models=None, jit=None):
+    """A `fail` for `fake_workers`: the worker of `task` (and of `model`,
+    `num_models`, fused `jit`, where given) crashes."""
+    def fail(spec):
+        if (spec["task"] == task
+                and model in (None, spec["model"])
+                and num_models in (None, spec.get("num_models"))
+                and jit in (None, spec.get("fused_jit_compile"))):
+            raise run.WorkerError(f"{task} worker: Segmentation fault")
+    return fail
+
+
+@pytest.mark.parametrize("task", ["serial", "fused"])
+def test_a_crashed_worker_is_recorded_and_the_run_goes_on(
+        task, tmp_path, monkeypatch, capsys):
+    fake_workers(monkeypatch, fail=crash(task, num_models=1))
+    with pytest.raises(SystemExit, match=rf"1 measurement\(s\) failed.*"
+                       rf"mlp B=1 {task}"):
+        run.main(fake_run(tmp_path, "--num_models", "1,2", "--modes",
+                          "serial,fused", "--fused_jit", "false"))
+    assert "Segmentation fault" in capsys.readouterr().out
+    table = read_table(tmp_path)
+    assert [(r["mode"], r["num_models"]) for r in table] == [
+        ("serial", "1"), ("fused", "1"), ("serial", "2"), ("fused", "2")]
+    for row in table:
+        failed = row["mode"] == task and row["num_models"] == "1"
+        assert row["failures"] == ("1" if failed else "0")
+        assert row["timeouts"] == "0"
+        assert (row["samples_per_s"] == "") == failed
+    assert table[3]["speedup"] == "4.0"
+    assert table[1]["speedup"] == ""
+    assert "| failed |" in (tmp_path / "results.md").read_text()
+
+
+def test_a_crash_under_one_xla_setting_leaves_the_other(tmp_path,
+                                                        monkeypatch):
+    fake_workers(monkeypatch, fail=crash("fused", jit=True))
+    run.main(fake_run(tmp_path, "--num_models", "2", "--modes",
+                      "serial,fused", "--fused_jit", "best"))
+    fused = read_table(tmp_path)[1]
+    assert (fused["failures"], fused["speedup"]) == ("0", "4.0")
+
+
+def test_a_failed_probe_skips_its_model(tmp_path, monkeypatch):
+    fake_workers(monkeypatch, fail=crash("probe", model="mlp"))
+    with pytest.raises(SystemExit, match="mlp probe"):
+        run.main(fake_run(tmp_path, "--model", "mlp,pointnet",
+                          "--num_models", "2"))
+    assert {r["model"] for r in read_table(tmp_path)} == {"pointnet"}
+
+
+def test_a_crashed_concurrent_worker_is_a_worker_error(monkeypatch):
+    spec = {"model": "mlp", "seed": 0}
+    monkeypatch.setattr(run, "_command", lambda spec: [
+        sys.executable, "-c", "import sys; sys.exit('no READY line')"])
+    with pytest.raises(run.WorkerError, match="no READY line"):
+        run.run_concurrent(spec, 2, timeout=60)
+
+
 def test_concurrent_throughput_sums_each_process_median_epoch(monkeypatch):
     args = run.parse_args(["--timeout", "10"])
     # The first epoch of each process is slow (say, a late start); the

@@ -233,6 +233,16 @@ def test_resuming_another_number_of_models_fails_before_writing(tmp_path):
     assert files() == written
 
 
+def test_an_unreadable_backup_fails_before_writing(tmp_path):
+    backup_dir = tmp_path / "mlp" / "backup"
+    backup_dir.mkdir(parents=True)
+    (backup_dir / "backup.json").write_text('{"epoch": "one"}')
+    with pytest.raises(ConfigError, match="backup.json is unreadable"):
+        train.train(one_step("mlp", tmp_path))
+    assert sorted(p.name for p in (tmp_path / "mlp").rglob("*")) == [
+        "backup", "backup.json"]
+
+
 @pytest.mark.parametrize("values, message", [
     # resnet18's builder takes **kwargs: a misspelt name reaches the build.
     (dict(model_args={"input_shape": [8, 8, 3], "widht": 0.0625}),
