@@ -471,6 +471,44 @@ def test_a_model_still_overflowing_below_a_scale_of_one_is_frozen(
         np.testing.assert_array_equal(ours, theirs)
 
 
+def test_with_several_loss_scaling_optimizers_any_scale_below_one_freezes():
+    # A step of two networks (a GAN's), each with a loss-scaling optimizer
+    # of its own; models 0 and 1 overflowed. Model 0 is still rescaled by
+    # both, which skip its step and halve its scales; model 1's first scale
+    # is below 1, so it diverged, though the second optimizer would still
+    # rescale it. Model 2 is finite, whatever its scales.
+    array = hftatf.fuse(mlp(), B)
+    array.compile(optimizers.SGD(0.1), loss="mse")
+    first, second = array.layers[-2].trainable_weights, \
+        array.layers[-1].trainable_weights
+    scaling = [optimizers.LossScaleOptimizer(optimizers.SGD(0.1))
+               for _ in range(2)]
+    for optimizer, variables in zip(scaling, (first, second)):
+        optimizer.build(variables)
+    scaling[0].dynamic_scale.assign([2.0, 0.5, 4.0])
+    scaling[1].dynamic_scale.assign([2.0, 2.0, 0.5])
+    before = [v.numpy() for v in array.trainable_weights]
+    nan = float("nan")
+
+    def gradients(variables):
+        return [np.stack([np.full(v.shape[1:], value, "float32")
+                          for value in (nan, nan, 1.0)]) for v in variables]
+
+    took = array.apply_model_gradients(
+        [(scaling[0], gradients(first), first),
+         (scaling[1], gradients(second), second)],
+        keras.ops.convert_to_tensor([nan, nan, 1.0]))
+    np.testing.assert_array_equal(took, [True, False, True])
+    np.testing.assert_array_equal(array.diverged_models, [False, True, False])
+    np.testing.assert_array_equal(scaling[0].dynamic_scale.numpy(),
+                                  [1.0, 0.5, 4.0])
+    np.testing.assert_array_equal(scaling[1].dynamic_scale.numpy(),
+                                  [1.0, 2.0, 0.5])
+    for variable, old in zip(array.trainable_weights, before):
+        np.testing.assert_array_equal(variable.numpy()[:2], old[:2])
+        assert not np.array_equal(variable.numpy()[2], old[2])
+
+
 def test_compile_wraps_in_the_fused_loss_scale_optimizer(mixed_float16):
     array = hftatf.fuse(mlp(), B)
     array.compile(optimizers.SGD(0.1), loss="mse")
