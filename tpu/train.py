@@ -14,6 +14,7 @@ with the same flags resumes it from its last epoch. Every flag is described
 in tpu/README.md and by --helpfull.
 """
 
+import contextlib
 import dataclasses
 import pathlib
 import shutil
@@ -240,66 +241,104 @@ def train(config, callbacks=()):
         A `Run`.
 
     Raises:
-        ConfigError: before any training, for an invalid config, a
-            strategy whose hardware is missing, a batch that does not split
-            between the replicas, a training set smaller than one step, or
+        ConfigError: before any training, and before anything is written
+            to `model_dir`, for an invalid config, a strategy whose
+            hardware is missing, a batch that does not split between the
+            replicas, a training set smaller than one step, a model its
+            builder refuses or that does not take the data's examples, or
             a backup in `model_dir` of another number of models.
     """
-    config = config.validate().resolved()
+    plan = _prepare(config.validate().resolved())
+    array = _fit(plan, callbacks)
+    return _report(plan, array)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A checked run, of which nothing is written yet."""
+
+    config: Config
+    recipe: object
+    num_models: int
+    per_model: dict
+    shared: dict
+    source: object
+    model_dir: pathlib.Path
+    initial_epoch: int
+    strategy: tf.distribute.Strategy
+    inputs: object
+    stock: keras.Model
+
+    @property
+    def history_path(self):
+        return self.model_dir / results.HISTORY_FILE
+
+    @property
+    def hyperparameters(self):
+        """The per-model columns of the history: the learning rate, then
+        the hyper-parameters given one value per model."""
+        return ["learning_rate",
+                *(n for n in self.per_model if n != "learning_rate")]
+
+
+def _prepare(config):
+    """Everything that may refuse `config`, before anything is written to
+    its `model_dir`: a killed run's files stay as they were."""
     recipe = config.recipe()
     num_models, per_model, shared = config.array_plan()
     source = data.resolve(config, recipe)
     model_dir = pathlib.Path(config.model_dir)
-    backup_dir = model_dir / BACKUP_DIR
-    initial_epoch = backed_up_epoch(backup_dir, num_models)
+    initial_epoch = backed_up_epoch(model_dir / BACKUP_DIR, num_models)
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
     strategy = make_strategy(config)
-    replicas = strategy.num_replicas_in_sync
-    data.per_replica_batch_size(config.batch_size, replicas)
+    data.per_replica_batch_size(config.batch_size,
+                                strategy.num_replicas_in_sync)
     keras.utils.set_random_seed(config.seed)
-    # Before anything is written: a training set of less than one step
-    # is a ConfigError that leaves a killed run's files as they were.
+    # A training set of less than one step is a ConfigError here.
     inputs = data.distributed_inputs(
         strategy, source, config.batch_size,
         train_steps=config.train_steps, eval_steps=config.eval_steps,
         steps_per_execution=config.steps_per_execution,
         initial_epoch=initial_epoch,
         static_shapes=isinstance(strategy, tf.distribute.TPUStrategy))
-
-    policy = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(config.mixed_precision)
-    try:
-        # Still before anything is written: a builder that refuses its
-        # arguments, or a model that does not take the data's examples.
+    with _global_policy(config.mixed_precision):
+        # A builder that refuses its arguments, or a model that does not
+        # take the data's examples.
         stock = build_model(recipe, config)
         _check_examples_fit(stock, inputs.element_spec, recipe)
+    return _Plan(config=config, recipe=recipe, num_models=num_models,
+                 per_model=per_model, shared=shared, source=source,
+                 model_dir=model_dir, initial_epoch=initial_epoch,
+                 strategy=strategy, inputs=inputs, stock=stock)
 
-        _check_resumed_config(config, model_dir, initial_epoch)
-        config.write(model_dir)
-        history_path = model_dir / results.HISTORY_FILE
-        results.trim_history(history_path, initial_epoch)
-        if initial_epoch == 0:
-            shutil.rmtree(model_dir / LOG_DIR, ignore_errors=True)
-        else:
-            logging.warning("Resuming %s from its backup at epoch %d of %d.",
-                            model_dir, initial_epoch, config.epochs)
-        logging.info(
-            "Training %d %s models on %d replica(s) of %s; data: %s.",
-            num_models, config.model, replicas, type(strategy).__name__,
-            source.description)
-        with strategy.scope():
-            array = hftatf.fuse(stock, num_models,
-                                model_class=recipe.model_class
-                                or hftatf.FusedModel)
-            array.compile(
-                optimizer=make_optimizer(config, per_model, shared,
-                                         inputs.steps_per_epoch),
-                loss=recipe.loss, metrics=list(recipe.metrics) or None,
-                steps_per_execution=config.steps_per_execution,
-                jit_compile=config.jit_compile)
-        hyperparameters = ["learning_rate", *(
-            n for n in per_model if n != "learning_rate")]
+
+def _fit(plan, callbacks):
+    """Writes the run's config, clears what a fresh run replaces, and
+    trains the array of `plan`; returns it."""
+    config, model_dir, inputs = plan.config, plan.model_dir, plan.inputs
+    _check_resumed_config(config, model_dir, plan.initial_epoch)
+    config.write(model_dir)
+    results.trim_history(plan.history_path, plan.initial_epoch)
+    if plan.initial_epoch == 0:
+        shutil.rmtree(model_dir / LOG_DIR, ignore_errors=True)
+    else:
+        logging.warning("Resuming %s from its backup at epoch %d of %d.",
+                        model_dir, plan.initial_epoch, config.epochs)
+    logging.info(
+        "Training %d %s models on %d replica(s) of %s; data: %s.",
+        plan.num_models, config.model, plan.strategy.num_replicas_in_sync,
+        type(plan.strategy).__name__, plan.source.description)
+    with _global_policy(config.mixed_precision), plan.strategy.scope():
+        array = hftatf.fuse(plan.stock, plan.num_models,
+                            model_class=plan.recipe.model_class
+                            or hftatf.FusedModel)
+        array.compile(
+            optimizer=make_optimizer(config, plan.per_model, plan.shared,
+                                     inputs.steps_per_epoch),
+            loss=plan.recipe.loss, metrics=list(plan.recipe.metrics) or None,
+            steps_per_execution=config.steps_per_execution,
+            jit_compile=config.jit_compile)
         array.fit(
             inputs.train, validation_data=inputs.validation,
             epochs=config.epochs, steps_per_epoch=inputs.steps_per_epoch,
@@ -309,38 +348,56 @@ def train(config, callbacks=()):
             callbacks=[
                 # Logged before the backup: epochs logged after the last
                 # backup of a killed run are trimmed when it resumes.
-                fused_callbacks.CSVLogger(history_path, append=True,
-                                          hyperparameters=hyperparameters),
-                fused_callbacks.TensorBoard(model_dir / LOG_DIR,
-                                            hyperparameters=hyperparameters),
-                backup.BackupAndRestore(backup_dir),
+                fused_callbacks.CSVLogger(
+                    plan.history_path, append=True,
+                    hyperparameters=plan.hyperparameters),
+                fused_callbacks.TensorBoard(
+                    model_dir / LOG_DIR,
+                    hyperparameters=plan.hyperparameters),
+                backup.BackupAndRestore(model_dir / BACKUP_DIR),
                 *callbacks,
             ])
-    finally:
-        keras.mixed_precision.set_global_policy(policy)
+    return array
 
-    history = results.read_history(history_path, num_models)
-    columns = {"learning_rate": per_model["learning_rate"]
-               if "learning_rate" in per_model
-               else [shared["learning_rate"]] * num_models}
-    columns.update(per_model)
+
+def _report(plan, array):
+    """Writes the results, the loss curves and the exports of the trained
+    `array`; returns the `Run`."""
+    config, num_models = plan.config, plan.num_models
+    history = results.read_history(plan.history_path, num_models)
+    columns = {"learning_rate": plan.per_model["learning_rate"]
+               if "learning_rate" in plan.per_model
+               else [plan.shared["learning_rate"]] * num_models}
+    columns.update(plan.per_model)
     rows = results.model_results(history, columns, array.diverged_models)
-    results.write_csv(rows, model_dir / results.RESULTS_FILE)
+    results.write_csv(rows, plan.model_dir / results.RESULTS_FILE)
     results.plot_losses(history, [_label(row, columns) for row in rows],
-                        model_dir / results.PLOT_FILE)
+                        plan.model_dir / results.PLOT_FILE)
     export_dir = None
     if config.export_dir:
         export_dir = pathlib.Path(config.export_dir)
         metrics = {key: values for key, values in history.items()
                    if key.rpartition("_")[0] not in columns}
         hftatf.export.export_models(array, export_dir, history=metrics)
-    best_by, mode = results.best_monitor(rows, recipe.monitor,
-                                         recipe.monitor_mode)
+    best_by, mode = results.best_monitor(rows, plan.recipe.monitor,
+                                         plan.recipe.monitor_mode)
     return Run(config=config, array=array, history=history, results=rows,
                best=results.best_model(rows, best_by, mode), best_by=best_by,
-               model_dir=model_dir, export_dir=export_dir,
-               hyperparameters=list(columns), initial_epoch=initial_epoch,
-               num_replicas=replicas)
+               model_dir=plan.model_dir, export_dir=export_dir,
+               hyperparameters=list(columns),
+               initial_epoch=plan.initial_epoch,
+               num_replicas=plan.strategy.num_replicas_in_sync)
+
+
+@contextlib.contextmanager
+def _global_policy(name):
+    """Keras' global dtype policy set to `name` for the block."""
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(name)
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
 
 
 def make_strategy(config):

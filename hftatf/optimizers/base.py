@@ -568,7 +568,11 @@ class FusedOptimizer(keras.optimizers.Optimizer):
             self._apply(grads, trainable_variables, mask)
         else:
             # Most steps update every model: those take the unmasked
-            # update, without a select per variable and slot.
+            # update, without a select per variable and slot. Tracing both
+            # costs time once (mobilenet_v3_small, B = 3, CPU: first step
+            # 24.5 s, 18.9 s with the masked update alone); the selects
+            # would cost it every step without XLA (101 -> 109 ms; with
+            # XLA, which fuses them, no measurable change).
             ops.cond(ops.all(mask),
                      lambda: self._apply(grads, trainable_variables, None),
                      lambda: self._apply(grads, trainable_variables, mask))
