@@ -26,11 +26,15 @@ import hftatf
 from hftatf.callbacks import split_logs
 from hftatf.fuse import (
     _input_structure,
-    derives_state,
     finalize_derived_state,
     fuse,
     fuse_models,
     weighted_layers,
+)
+from hftatf.layers.per_model import (
+    derives_state,
+    derives_state_by_ops,
+    state_derived_in_calls,
 )
 from hftatf.model import FusedModel
 
@@ -413,7 +417,10 @@ def export_serving(array, directory):
     For an array not made by `hftatf.fuse` (built from `hftatf.layers`
     directly) there is no stock architecture: `model_{b}` then runs the
     fused graph on the shared input and slices model `b`'s outputs, and
-    `per_model` is left out when the array shares its inputs.
+    `per_model` is left out when the array shares its inputs. So it does
+    for a stock model with a layer that derives state from its weights
+    other than an adapted `Normalization` (which `model_{b}` derives from
+    model `b`'s slice).
 
     Like `export_models`, it writes into a temporary directory renamed
     into place when complete, replacing an earlier SavedModel there.
@@ -507,20 +514,21 @@ def _layout_call(array, stock, shared):
 
 def _model_call(array, stock, index):
     """A function computing model `index` alone on shared inputs."""
-    if stock is not None and not _model_derives_state(stock):
-        # Stateless: one stock model serves every index.
+    if stock is not None and _derives_state_from_values(stock):
+        # One stock model serves every index.
         return _bound_call(stock, _variable_map(array, stock, index))
     shared_call = _layout_call(array, None, shared=True)
     return lambda inputs: keras.tree.map_structure(
         lambda y: y[:, index], shared_call(inputs))
 
 
-def _model_derives_state(model):
-    """Whether a layer of `model` computes with state derived from its
-    weights (`hftatf.fuse.finalize_derived_state`), which a stateless call
-    with other weights would not see: such a model is served from the
-    array's outputs instead."""
-    return any(derives_state(layer) for layer in model._flatten_layers())
+def _derives_state_from_values(model):
+    """Whether every layer of `model` that computes with state derived from
+    its weights derives it by ops (`derives_state_by_ops`), so that a
+    stateless call derives it from the values it is given (`_bound_call`).
+    Models with other such layers are served from the array's outputs."""
+    return all(derives_state_by_ops(layer)
+               for layer in model._flatten_layers() if derives_state(layer))
 
 
 def _variable_map(array, model, index):
@@ -541,6 +549,8 @@ def _bound_call(model, mapping):
     # now, while eager, and kept as constants.
     fixed = {id(v): keras.ops.convert_to_numpy(v)
              for v in model.variables if id(v) not in mapping}
+    derived = [layer for layer in model._flatten_layers()
+               if derives_state(layer)]
 
     def value(variable):
         if id(variable) in fixed:
@@ -549,10 +559,17 @@ def _bound_call(model, mapping):
         return source.value if index is None else source.value[index]
 
     def call(inputs):
-        outputs, _ = model.stateless_call(
-            [value(v) for v in model.trainable_variables],
-            [value(v) for v in model.non_trainable_variables],
-            inputs, training=False)
+        with state_derived_in_calls(derived):
+            for layer in derived:
+                # The state derived from the values given, not from the
+                # model's own weights (`_derives_state_from_values`).
+                with keras.StatelessScope(state_mapping=[
+                        (w, value(w)) for w in layer.weights]):
+                    layer.finalize_state()
+            outputs, _ = model.stateless_call(
+                [value(v) for v in model.trainable_variables],
+                [value(v) for v in model.non_trainable_variables],
+                inputs, training=False)
         return outputs
 
     return call

@@ -21,6 +21,7 @@ from hftatf.layers.fold import (
     copy_layer,
     has_random_state,
 )
+from hftatf.layers.per_model import derives_state
 from hftatf.model import FusedModel
 from hftatf.validation import check_num_models
 
@@ -661,12 +662,6 @@ def finalize_derived_state(layer):
     for inner in layer._flatten_layers():
         if derives_state(inner):
             inner.finalize_state()
-
-
-def derives_state(layer):
-    """Whether `layer` itself keeps state derived from its weights
-    (`finalize_derived_state`)."""
-    return bool(layer.weights) and hasattr(layer, "finalize_state")
 
 
 def unfuse(array):

@@ -299,6 +299,18 @@ def test_adapted_normalization_keeps_its_statistics_everywhere(tmp_path):
     for name, outputs in predicted.items():
         for b in range(NUM_MODELS):
             assert_close(outputs[b], expected[b], err_msg=name)
+    # Serving model b computes its stock graph alone (a MatMul, where the
+    # array's fused Dense computes every model in a BatchMatMul).
+    assert graph_ops(served.signatures["model_0"]) >= {"MatMul"}
+    assert "BatchMatMulV2" not in graph_ops(served.signatures["model_0"])
+    assert "BatchMatMulV2" in graph_ops(served.signatures["shared"])
+
+
+def graph_ops(function):
+    """The op types of a loaded concrete function and those it calls."""
+    graph = function.graph.as_graph_def()
+    return {node.op for inner in graph.library.function
+            for node in inner.node_def}
 
 
 def _doubled_relu(x):

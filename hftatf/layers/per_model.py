@@ -12,6 +12,7 @@ speed of B separate calls inside one compiled step rather than that of one
 fused op.
 """
 
+import contextlib
 import warnings
 
 import keras
@@ -73,6 +74,40 @@ def refusal(layer):
             "model would not hold. Apply it to the data before the array "
             "(in tf.data, or in a model of its own in front of the array).")
     return None
+
+
+def derives_state(layer):
+    """Whether `layer` itself keeps state derived from its weights
+    (`finalize_state`: an adapted `Normalization`'s mean and variance),
+    which setting its weights leaves as it was."""
+    return bool(layer.weights) and hasattr(layer, "finalize_state")
+
+
+# `finalize_state` methods that derive a layer's state from its weights by
+# ops alone: called where the weights read other values (a stateless
+# scope), they derive the state of those values.
+_OPS_DERIVED_STATE = (keras.layers.Normalization.finalize_state,)
+
+
+def derives_state_by_ops(layer):
+    """Whether `layer`'s derived state (`derives_state`) is derived by ops
+    alone, so that a call on other values of its weights can derive it
+    from them (`state_derived_in_calls`)."""
+    return type(layer).finalize_state in _OPS_DERIVED_STATE
+
+
+@contextlib.contextmanager
+def state_derived_in_calls(layers):
+    """A block in which the derived state of `layers` (each deriving it by
+    ops) may be derived again from other values of their weights, by
+    calling `finalize_state` where the weights read those values; after
+    the block each layer has its own state back."""
+    kept = [dict(vars(layer)) for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, attributes in zip(layers, kept):
+            vars(layer).update(attributes)
 
 
 def _outside_state(layer):
@@ -254,6 +289,7 @@ class FusedPerModel(FusedLayer):
         self._seeds = []  # seed generator per random state of the layer
         self._specs = None  # the per-model call's arguments, once built
         self._assigned = []  # see `assigns_weights_in_training`
+        self._derived = []  # layers with state derived from their weights
 
     @property
     def assigns_weights_in_training(self):
@@ -394,6 +430,19 @@ class FusedPerModel(FusedLayer):
                     f"{outside} outside Keras variables, which would be one "
                     "state for all models. Create its state with "
                     "`add_weight`.")
+            underived = [inner.name for inner in template._flatten_layers()
+                         if derives_state(inner)
+                         and not derives_state_by_ops(inner)]
+            if underived:
+                raise ValueError(
+                    f"hftatf cannot fuse layer '{template.name}' "
+                    f"({type(template).__name__}) per model: layer "
+                    f"'{underived[0]}' derives state from its weights in a "
+                    "`finalize_state` of its own, which cannot be derived "
+                    "again from each model's weights within a call. "
+                    "Compute that state from the weights in `call`.")
+            self._derived = [inner for inner in template._flatten_layers()
+                             if derives_state(inner)]
             for index, weight in enumerate(template.weights):
                 self._stacked.append(self._stack_weight(
                     weight, [copy.weights[index] for copy in copies]))
@@ -449,29 +498,34 @@ class FusedPerModel(FusedLayer):
         own = {id(v) for v in weights + states}
         outside = {}
         outputs, losses, updates = [], [], []
-        for b in range(self.num_models):
-            args, kwargs = filled_arguments(stock_arguments,
-                                            [p[b] for p in pieces])
-            if training is not None and layer._call_has_training_arg:
-                kwargs["training"] = training
-            mapping = ([(w, v[b]) for w, v in zip(weights, values)]
-                       + list(zip(states, carried)))
-            mapping += [(v, value) for v, value in outside.values()]
-            with _ModelScope(mapping, trainable) as scope:
-                read = [scope.get_current_value(w) for w in weights]
-                outputs.append(layer(*args, **kwargs))
-            losses.append(list(scope.losses))
-            updates.append([(scope.get_current_value(w), r)
-                            for w, r in zip(weights, read)])
-            carried = [scope.get_current_value(s) for s in states]
-            # Variables outside the layer that its call assigns (the
-            # global seed generator of unseeded `keras.random` calls): the
-            # next model reads what this one assigned, as it would after
-            # a stock call.
-            for variable in scope.assigned:
-                if id(variable) not in own:
-                    outside[id(variable)] = (
-                        variable, scope.get_current_value(variable))
+        # (The layer keeps the state derived from its own weights.)
+        with state_derived_in_calls(self._derived):
+            for b in range(self.num_models):
+                args, kwargs = filled_arguments(stock_arguments,
+                                                [p[b] for p in pieces])
+                if training is not None and layer._call_has_training_arg:
+                    kwargs["training"] = training
+                mapping = ([(w, v[b]) for w, v in zip(weights, values)]
+                           + list(zip(states, carried)))
+                mapping += [(v, value) for v, value in outside.values()]
+                with _ModelScope(mapping, trainable) as scope:
+                    # Model b's derived state, from its weights.
+                    for inner in self._derived:
+                        inner.finalize_state()
+                    read = [scope.get_current_value(w) for w in weights]
+                    outputs.append(layer(*args, **kwargs))
+                losses.append(list(scope.losses))
+                updates.append([(scope.get_current_value(w), r)
+                                for w, r in zip(weights, read)])
+                carried = [scope.get_current_value(s) for s in states]
+                # Variables outside the layer that its call assigns (the
+                # global seed generator of unseeded `keras.random` calls): the
+                # next model reads what this one assigned, as it would after
+                # a stock call.
+                for variable in scope.assigned:
+                    if id(variable) not in own:
+                        outside[id(variable)] = (
+                            variable, scope.get_current_value(variable))
         for index, variable in enumerate(self._stacked):
             # A weight the calls assign (moving statistics): every model's
             # new value.

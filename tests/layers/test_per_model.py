@@ -407,6 +407,55 @@ def test_layers_with_state_outside_keras_variables_are_refused():
         registry.fused_form(lookup)
 
 
+class AdaptedNormalization(layers.Normalization):
+    """A Normalization of one's own: run per model, it derives its mean
+    and variance from its weights in the stock `finalize_state`."""
+
+
+class NumpyNormalization(layers.Normalization):
+    """One whose `finalize_state` reads its weights in NumPy."""
+
+    def finalize_state(self):
+        super().finalize_state()
+        if self.input_mean is None and self.built:
+            self.mean = np.asarray(self.adapt_mean).reshape(
+                self._broadcast_shape)
+
+
+def adapted_model(normalization, data, seed):
+    x = keras.Input((5,))
+    normalize = normalization()
+    normalize.adapt(data + seed)
+    return keras.Model(x, layers.Dense(3)(normalize(x)))
+
+
+def test_state_derived_from_weights_is_each_models_own():
+    # An adapted Normalization keeps its mean and variance as tensors
+    # derived from its weights; run per model, each model derives them from
+    # its own slice, whatever the layer held when it was fused.
+    data = np.random.default_rng(0).normal(3.0, 2.0, (16, 5)).astype(
+        "float32")
+    models = [adapted_model(AdaptedNormalization, data, 4.0 * b)
+              for b in range(2)]
+    with pytest.warns(UserWarning, match="no fused form"):
+        array = hftatf.fuse_models(models)
+    assert isinstance(array.layers[1], FusedPerModel)
+    outputs = array.predict(data, verbose=0)
+    for b, model in enumerate(models):
+        assert_close(outputs[:, b], model.predict(data, verbose=0))
+    # The layer each model runs keeps its own state.
+    template = array.layers[1].layer
+    assert_close(template.mean, np.reshape(template.adapt_mean, (1, 5)))
+
+
+def test_state_derived_from_weights_otherwise_than_by_ops_is_refused():
+    data = np.zeros((4, 5), "float32")
+    with pytest.warns(UserWarning), pytest.raises(
+            ValueError, match="'numpy_normalization' derives state from its "
+            "weights in a `finalize_state` of its own"):
+        hftatf.fuse(adapted_model(NumpyNormalization, data, 0.0), 2)
+
+
 def test_fused_per_model_refuses_a_wrong_model_axis():
     fused = registry.fuse_layer(layers.RNN([layers.LSTMCell(2)] * 2), 3)
     assert type(fused) is FusedPerModel
