@@ -499,9 +499,11 @@ def masked_lm_data(batch_size, seed=0, sequence_length=64,
     Each element is a batch `({"token_ids", "segment_ids"}, labels)`, all
     `[batch, sequence_length]` int32: the examples of `masked_lm_examples`
     masked by `mask_tokens`. Training batches are masked anew every epoch
-    (a deterministic sequence of masks for a given seed); validation
-    batches are masked the same way every time, so validation losses are
-    comparable across epochs. Train with `masked_lm_loss()`.
+    (a deterministic sequence of masks for a given seed and TensorFlow
+    global seed, which `keras.utils.set_random_seed` sets); validation
+    batches are masked the same way every time, from `seed` alone, so
+    validation losses are comparable across epochs, runs and processes.
+    Train with `masked_lm_loss()`.
 
     Args:
         batch_size: examples per batch (training drops the last partial
@@ -520,8 +522,14 @@ def masked_lm_data(batch_size, seed=0, sequence_length=64,
     def masked(examples, train):
         dataset = _batched(examples, batch_size, seed, shuffle and train,
                            drop_remainder=train)
-        seeds = tf.data.Dataset.random(
-            seed=seed, rerandomize_each_iteration=train).batch(2)
+        if train:
+            seeds = tf.data.Dataset.random(
+                seed=seed, rerandomize_each_iteration=True).batch(2)
+        else:
+            # Batch i's masks from (seed, i) alone: the same in every
+            # process, whatever TensorFlow's global seed.
+            seeds = tf.data.Dataset.counter().map(
+                lambda index: tf.stack([tf.cast(seed, "int64"), index]))
 
         def apply(batch, pair_seed):
             tokens, segments = batch

@@ -200,6 +200,24 @@ def test_masked_lm_data_masks_training_anew_and_validation_alike():
                                   next(iter(validation))[1])
 
 
+def test_validation_masks_follow_the_seed_alone():
+    # An exported model evaluated in another process sees the masks it was
+    # validated on in training, whatever TensorFlow's global seed was.
+    def validation_labels(global_seed, seed=0):
+        if global_seed is not None:
+            keras.utils.set_random_seed(global_seed)
+        _, validation = text.masked_lm_data(4, seed=seed, sequence_length=16,
+                                            vocabulary_size=500)
+        return [labels.numpy() for _, labels in validation.take(3)]
+
+    first = validation_labels(None)
+    for other in (validation_labels(0), validation_labels(123)):
+        for ours, theirs in zip(first, other):
+            np.testing.assert_array_equal(ours, theirs)
+    assert not all(np.array_equal(ours, theirs) for ours, theirs in zip(
+        first, validation_labels(None, seed=1)))
+
+
 # -- users' own text --------------------------------------------------------
 
 
