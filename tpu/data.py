@@ -85,7 +85,8 @@ def resolve(config, recipe):
             f"{_described(kind, name)}. Leave --data_dir out, or name a "
             "tensorflow-datasets dataset with --dataset.")
     if kind == "recipe":
-        return _recipe_source(recipes.get(name), config)
+        return recipe_source(recipes.get(name), config.seed,
+                             config.data_args)
     if kind == "tfrecord":
         return _tfrecord_source(name, recipe, config)
     return _tfds_source(name, recipe, config)
@@ -137,21 +138,28 @@ def _check_args(function, args, fixed, what):
             "--batch_size and --seed).")
 
 
-def _recipe_source(recipe, config):
-    args = {**recipe.data_args, **config.data_args}
+def recipe_source(recipe, seed, data_args=None):
+    """The `Source` of the data recipe of `recipe`, seeded by `seed`, with
+    `data_args` (the `--data_args` flag) over the recipe's own.
+
+    Raises:
+        ConfigError: for data arguments the recipe does not take (here) or
+            refuses (when the data are made).
+    """
+    data_args = data_args or {}
+    args = {**recipe.data_args, **data_args}
     _check_args(recipe.data, args, ("batch_size", "seed"),
                 f"the data of recipe {recipe.name!r}")
-    seed = config.seed
 
     def make(batch_size, context):
         try:
             train, validation = recipe.data(batch_size=batch_size,
                                             seed=seed, **args)
         except (TypeError, ValueError) as error:
-            if not config.data_args:
+            if not data_args:
                 raise
             raise ConfigError(
-                f"--data_args {config.data_args}: the data of recipe "
+                f"--data_args {data_args}: the data of recipe "
                 f"{recipe.name!r} refused them: {error}") from None
         return (_shard_batches(train, context),
                 None if validation is None else _shard_batches(
@@ -459,8 +467,11 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
         # iterator, the stream draws the same passes whatever was opened
         # before it: a resumed run, which skips the epochs run, then reads
         # what the uninterrupted run read.
+        # (Not converted by AutoGraph: the stream is built in Python, the
+        # data recipe's loading code included.)
         return tf.data.Dataset.range(1).flat_map(
-            lambda _: stream(context)).prefetch(tf.data.AUTOTUNE)
+            tf.autograph.experimental.do_not_convert(
+                lambda _: stream(context))).prefetch(tf.data.AUTOTUNE)
 
     def validation_fn(context):
         _, dataset = one_pass(context)

@@ -39,6 +39,8 @@ from absl import app, flags
 import hftatf
 from hftatf import tuning
 from hftatf.models import recipes
+from hftatf.tpu import data
+from hftatf.tpu.config import ConfigError, parse_mapping
 from hftatf.tuning import distributed, space
 
 FLAGS = flags.FLAGS
@@ -65,8 +67,11 @@ def define_flags(flag_values=FLAGS):
 
     # What to tune.
     string("model", "mlp", "The zoo model (hftatf.models.recipes.names()).")
-    string("model_args", None, "Builder arguments over the recipe's, as a "
-           "JSON object: --model_args='{\"hidden_units\": [64]}'.")
+    string("model_args", None, "Builder arguments over the recipe's: "
+           "name=value pairs (--model_args=hidden_units=[64],dropout=0.1) "
+           "or a JSON object.")
+    string("data_args", None, "Data-recipe arguments over the recipe's, "
+           "as --model_args (e.g. --data_args=sequence_length=32).")
     string("search_space", None, "The space: 'name=kind:args;...' (see "
            f"hftatf.tuning.space). Default: {DEFAULT_SPACE}.")
     string("search_space_file", None, "The space as a YAML or JSON "
@@ -89,7 +94,10 @@ def define_flags(flag_values=FLAGS):
            "recipe's monitor.")
     flags.DEFINE_enum("direction", None, ["min", "max"], "Whether the "
                       "objective is minimized or maximized. Default: the "
-                      "recipe's.", flag_values=flag_values)
+                      "recipe's for its monitor; for another objective, "
+                      "what its name says (min for losses, max for "
+                      "accuracies), else this flag is needed.",
+                      flag_values=flag_values)
     integer("executions_per_trial", 1, "Trainings per trial (averaged).")
     integer("seed", 0, "Seeds the oracle, the data and each trial's "
             "initial weights.")
@@ -104,10 +112,12 @@ def define_flags(flag_values=FLAGS):
                       flag_values=flag_values)
     # Training.
     integer("batch_size", 64, "The batch size.")
-    integer("train_steps", None, "Training steps per epoch. Default: one "
-            "pass over the training set.")
-    integer("eval_steps", None, "Validation steps per epoch. Default: one "
-            "pass over the validation set.")
+    integer("train_steps", None, "Training steps per epoch (the training "
+            "set repeats as needed). Default: one pass over the training "
+            "set.", lower_bound=1)
+    integer("eval_steps", None, "Validation steps per epoch, the same "
+            "batches every epoch (at most what the validation set holds). "
+            "Default: one pass over the validation set.", lower_bound=1)
     integer("verbose", 0, "Keras verbosity of each array's fit: 0 silent, "
             "1 progress bar, 2 one line per epoch.", lower_bound=0,
             upper_bound=2)
@@ -132,6 +142,12 @@ def define_flags(flag_values=FLAGS):
 def _settings(flag_values):
     """The checked flag values a search needs, as a dict."""
     recipe = _recipe(flag_values.model)
+    if recipe.model_class is not None:
+        raise FlagError(
+            f"--model={recipe.name} trains with "
+            f"{recipe.model_class.__name__}, a step of its own, which the "
+            "tuners do not run (they compile a loss and metrics for fit); "
+            "train a grid of it with hftatf-train --grid instead.")
     num_models = flag_values.num_models
     if num_models != "auto":
         try:
@@ -169,14 +185,13 @@ def _settings(flag_values):
             param.declare(hp)
     except (OSError, ValueError, TypeError) as error:
         raise FlagError(f"Bad search space: {error}") from None
-    model_args = dict(recipe.model_args)
-    if flag_values.model_args:
-        try:
-            model_args.update(json.loads(flag_values.model_args))
-        except (ValueError, TypeError) as error:
-            raise FlagError(
-                f"--model_args must be a JSON object. Received "
-                f"{flag_values.model_args!r}: {error}.") from None
+    try:
+        model_args = {**recipe.model_args,
+                      **parse_mapping(flag_values.model_args, "model_args")}
+        data_args = parse_mapping(flag_values.data_args, "data_args")
+        source = data.recipe_source(recipe, flag_values.seed, data_args)
+    except ConfigError as error:
+        raise FlagError(str(error)) from None
     jit = {"auto": "auto", "true": True, "false": False}[
         flag_values.jit_compile]
     return {
@@ -187,10 +202,27 @@ def _settings(flag_values):
         "num_models": num_models,
         "epochs": epochs,
         "jit_compile": jit,
-        "objective": keras_tuner.Objective(
-            flag_values.objective or recipe.monitor,
-            flag_values.direction or recipe.monitor_mode),
+        "objective": _objective(recipe, flag_values),
+        "source": source,
     }
+
+
+def _objective(recipe, flag_values):
+    """The objective of `--objective` and `--direction`: the recipe's
+    monitor and mode by default; an objective of another name goes the
+    way its name says (keras-tuner's reading: min for losses, max for
+    accuracies), or needs `--direction`."""
+    name = flag_values.objective or recipe.monitor
+    direction = flag_values.direction
+    if direction is None:
+        direction = (recipe.monitor_mode if name == recipe.monitor else
+                     keras_tuner.engine.metrics_tracking
+                     .infer_metric_direction(name))
+    if direction is None:
+        raise FlagError(
+            f"--objective={name}: pass --direction=min or --direction=max; "
+            "its name does not say which way is better.")
+    return keras_tuner.Objective(name, direction)
 
 
 def _recipe(name):
@@ -207,10 +239,15 @@ def make_hypermodel(recipe, params, model_args, optimizer, seed=None,
 
     Raises:
         FlagError: for a name that neither the builder nor the optimizer
-            takes, or an `objective` (a log entry's name) that the model
-            does not log (checked by building once with the defaults).
+            takes, arguments the builder refuses, or an `objective` (a log
+            entry's name) that the model does not log (checked by building
+            once with the defaults).
     """
-    builder_args = set(inspect.signature(recipe.build).parameters)
+    parameters = inspect.signature(recipe.build).parameters.values()
+    builder_args = {p.name for p in parameters if p.kind not in (
+        p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    # A builder taking **kwargs (resnet18's) takes names of its own too.
+    open_builder = any(p.kind == p.VAR_KEYWORD for p in parameters)
 
     def build(hp):
         if seed is not None:
@@ -228,6 +265,8 @@ def make_hypermodel(recipe, params, model_args, optimizer, seed=None,
             elif target == "optimizer" or (not target and short in (
                     optimizer_args)):
                 optimizer_kwargs[short] = value
+            elif not target and open_builder:
+                args[short] = value
             else:
                 raise FlagError(
                     f"Hyper-parameter '{key}' is neither an argument of the "
@@ -241,7 +280,15 @@ def make_hypermodel(recipe, params, model_args, optimizer, seed=None,
                       loss=recipe.loss, metrics=list(recipe.metrics))
         return model
 
-    model = build(keras_tuner.HyperParameters())
+    try:
+        model = build(keras_tuner.HyperParameters())
+    except (TypeError, ValueError) as error:
+        if isinstance(error, FlagError):
+            raise
+        raise FlagError(
+            f"The '{recipe.name}' model could not be built with --model_args"
+            " and the search space's first values (each entry's default or "
+            f"lowest value): {error}") from None
     # A recipe's own array class (a GAN's) logs what its steps say.
     names = None if recipe.model_class else _logged_names(model)
     if objective is not None and names is not None and (
@@ -319,19 +366,31 @@ def make_tuner(settings, flag_values):
 
 def search(settings, flag_values):
     """Runs (or serves, on a chief) the search; returns the tuner."""
-    recipe = settings["recipe"]
+    try:
+        # The training launcher's inputs: every array's fit reads the
+        # training stream from its start and validates on the same batches
+        # every epoch. Checked before the tuner (re)writes its project.
+        inputs = data.distributed_inputs(
+            tf.distribute.get_strategy(), settings["source"],
+            flag_values.batch_size, train_steps=flag_values.train_steps,
+            eval_steps=flag_values.eval_steps)
+    except ConfigError as error:
+        raise FlagError(str(error)) from None
+    if inputs.validation is None and (
+            settings["objective"].name.startswith("val_")):
+        raise FlagError(
+            f"--objective={settings['objective'].name} needs validation, "
+            f"but the validation set of --model={flag_values.model} holds "
+            f"not one batch of {flag_values.batch_size}: lower --batch_size.")
     tuner = make_tuner(settings, flag_values)
-    train, validation = recipe.data(flag_values.batch_size,
-                                    seed=flag_values.seed,
-                                    **recipe.data_args)
     # The recipe's pipeline shuffles the training set itself.
-    fit = dict(validation_data=validation, verbose=flag_values.verbose,
-               shuffle=False,
-               steps_per_epoch=flag_values.train_steps,
-               validation_steps=flag_values.eval_steps)
+    fit = dict(validation_data=inputs.validation,
+               verbose=flag_values.verbose, shuffle=False,
+               steps_per_epoch=inputs.steps_per_epoch,
+               validation_steps=inputs.validation_steps or None)
     if flag_values.tuner != "hyperband":
         fit["epochs"] = settings["epochs"]
-    tuner.search(train, **fit)
+    tuner.search(inputs.train, **fit)
     return tuner
 
 
@@ -376,7 +435,9 @@ def export_best(tuner, directory, num_best):
     `hyperparameters.json` next to each; returns their directories."""
     directory = pathlib.Path(directory)
     written = []
-    trials = tuner.oracle.get_best_trials(num_best)
+    # (keras-tuner pads the best with unfinished trials.)
+    trials = [trial for trial in tuner.oracle.get_best_trials(num_best)
+              if trial.status == "COMPLETED"]
     for rank, (trial, model) in enumerate(zip(
             trials, tuner.get_best_models(len(trials)))):
         path = directory / f"rank_{rank}"
@@ -452,9 +513,14 @@ def main(argv, flag_values=FLAGS):
     export_dir = flag_values.export_dir
     if export_dir is None:
         export_dir = os.path.join(tuner.project_dir, "best")
-    if export_dir and tuner.oracle.get_best_trials(1):
-        for path in export_best(tuner, export_dir, flag_values.num_best):
+    if export_dir:
+        written = export_best(tuner, export_dir, flag_values.num_best)
+        for path in written:
             print(f"Exported {path}/model.keras")
+        if not written:
+            raise FlagError(
+                "No trial completed, so no model was exported: see the "
+                "trials' errors above.")
     return tuner
 
 

@@ -96,7 +96,11 @@ def test_distributed_flags_set_keras_tuners_variables():
     (["--search_space=learning_rate=float:1"], "Bad search space"),
     (["--search_space=momentum=choice:0,fast"], "'momentum'.*types"),
     (["--search_space=learning_rate=float:0:1:log"], "Bad search space"),
-    (["--model_args=[1"], "JSON"),
+    (["--model_args=[1"], "model_args"),
+    (["--data_args=size=3"], r"\['size'\] are not arguments of the data"),
+    (["--data_args=seed=3"], "cannot set"),
+    (["--model=dcgan"], "FusedGAN, a step of its own"),
+    (["--objective=val_perplexity"], "pass --direction"),
     (["--tuner_id=w1"], "go together"),
     (["--tuner_id=w1", "--oracle_address=nohost"], "host:port"),
     (["--local_workers=-1"], "local_workers"),
@@ -142,6 +146,95 @@ def test_unknown_hyperparameter_name_is_a_flag_error():
     with pytest.raises(tune.FlagError, match="wingspan"):
         tune.make_hypermodel(settings["recipe"], settings["params"],
                              settings["model_args"], settings["optimizer"])
+
+
+@pytest.mark.parametrize("args, direction", [
+    ([], "max"),  # the recipe's monitor, val_accuracy
+    (["--objective=val_loss"], "min"),
+    (["--objective=loss"], "min"),
+    (["--objective=accuracy"], "max"),
+    (["--objective=val_perplexity", "--direction=min"], "min"),
+    (["--objective=val_loss", "--direction=max"], "max"),
+])
+def test_an_objective_goes_the_way_its_name_says(args, direction):
+    assert tune._settings(parsed(*args))["objective"].direction == direction
+
+
+@pytest.mark.parametrize("args", [["--train_steps=0"], ["--eval_steps=0"],
+                                  ["--train_steps=-1"]])
+def test_step_counts_must_be_positive(args):
+    with pytest.raises(flags.IllegalFlagValueError):
+        parsed(*args)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--eval_steps=1000"], "--eval_steps=1000, but the validation set"),
+    (["--batch_size=100000"], "not one step"),
+])
+def test_data_that_cannot_hold_the_steps_fail_before_training(
+        tmp_path, args, message):
+    flag_values = parsed(*args, "--max_trials=1", "--num_models=1",
+                         f"--directory={tmp_path}")
+    with pytest.raises(tune.FlagError, match=message):
+        tune.search(tune._settings(flag_values), flag_values)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model_args=nope=1"], "could not be built.*nope"),
+    (["--search_space=hidden_units=int:0:3"], "could not be built"),
+])
+def test_a_model_its_builder_refuses_is_a_flag_error(tmp_path, args,
+                                                     message):
+    flag_values = parsed(*args, f"--directory={tmp_path}")
+    with pytest.raises(tune.FlagError, match=message):
+        tune.make_tuner(tune._settings(flag_values), flag_values)
+
+
+def test_a_builder_of_keyword_arguments_takes_unprefixed_names(tmp_path):
+    flag_values = parsed("--model=resnet18",
+                         "--model_args=input_shape=[8,8,3]",
+                         "--search_space=width=choice:0.0625,0.125;"
+                         "momentum=fixed:0.5")
+    settings = tune._settings(flag_values)
+    build = tune.make_hypermodel(settings["recipe"], settings["params"],
+                                 settings["model_args"],
+                                 settings["optimizer"])
+    hp = keras_tuner.HyperParameters()
+    hp.values.update({"width": 0.125})
+    wide = build(hp).count_params()
+    hp.values.update({"width": 0.0625})
+    narrow = build(hp)
+    assert narrow.count_params() < wide
+    assert narrow.optimizer.get_config()["momentum"] == pytest.approx(0.5)
+
+
+def test_only_completed_trials_are_exported(tmp_path):
+    class Trial:
+        def __init__(self, trial_id, status):
+            self.trial_id, self.status = trial_id, status
+            self.score, self.hyperparameters = 0.5, keras_tuner.\
+                HyperParameters()
+
+    class Tuner:
+        """keras-tuner pads the best trials with unfinished ones."""
+
+        class oracle:  # noqa: N801
+            @staticmethod
+            def get_best_trials(num_trials):
+                return [Trial("1", "COMPLETED"),
+                        Trial("2", "FAILED")][:num_trials]
+
+        @staticmethod
+        def get_best_models(num_models):
+            assert num_models == 1
+            return [keras.Sequential([keras.Input((2,)),
+                                      keras.layers.Dense(1)])]
+
+    written = tune.export_best(Tuner, tmp_path, num_best=2)
+    assert [path.name for path in written] == ["rank_0"]
+    assert json.loads((tmp_path / "rank_0" / "hyperparameters.json")
+                      .read_text())["trial"] == "1"
 
 
 @pytest.mark.slow
