@@ -325,6 +325,21 @@ def _clone_metrics(metrics):
         metrics is not None) else None
 
 
+def _check_log_names(per_model, num_models):
+    """Refuses logs whose per-model names (`name_b`) would overwrite
+    another log: Keras names a second `AUC()` `auc_1`, model 1's `auc`."""
+    clashes = sorted(f"{name}_{b}" for name in per_model
+                     for b in range(num_models)
+                     if f"{name}_{b}" in per_model)
+    if clashes:
+        clash = clashes[0]
+        raise ValueError(
+            f"The array logs model b's `{clash.rpartition('_')[0]}` as "
+            f"`{clash.rpartition('_')[0]}_b`, which would overwrite the "
+            f"log named `{clash}`. Give that metric a name of its own, e.g. "
+            "`keras.metrics.AUC(curve='PR', name='pr_auc')`.")
+
+
 def _expand_to(values, reference):
     """Appends unit axes to `values` up to the rank of `reference`."""
     return ops.reshape(values, (*ops.shape(values),
@@ -1477,6 +1492,7 @@ class FusedModel(keras.Model):
             for name, value in results.items():
                 per_model.setdefault(name, [None] * self.num_models)
                 per_model[name][index] = value
+        _check_log_names(per_model, self.num_models)
         logs = {}
         # The array's mean leaves out diverged models, so one failure does
         # not turn every scalar log (and stock callbacks) into NaN.
@@ -1497,9 +1513,9 @@ class FusedModel(keras.Model):
 
     def _flatten_metrics_in_order(self, logs):
         """`logs` as the list `evaluate` and `*_on_batch` return without
-        `return_dict`: Keras's order (each name once, though every model
-        has its own copy of each compiled metric), then the per-model
-        entries, sorted."""
+        `return_dict`: the list stock Keras returns (its order, each name
+        once, though every model has its own copy of each compiled metric;
+        then the other logs, sorted), then the per-model entries, sorted."""
         names = []
         for metric in self.metrics:
             for name in ([m.name for m in metric.metrics]
@@ -1507,8 +1523,11 @@ class FusedModel(keras.Model):
                          else [metric.name]):
                 if name not in names:
                     names.append(name)
-        results = [logs[name] for name in names if name in logs]
-        results += [logs[key] for key in sorted(logs) if key not in names]
+        per_model = {f"{name}_{b}" for name in logs
+                     for b in range(self.num_models)} & set(logs)
+        stock = [name for name in names if name in logs]
+        stock += sorted(set(logs) - set(stock) - per_model)
+        results = [logs[key] for key in stock + sorted(per_model)]
         return results[0] if len(results) == 1 else results
 
     def _user_metrics(self):

@@ -401,6 +401,67 @@ def test_evaluate_lists_each_log_once():
                   verbose=0)
 
 
+def two_outputs():
+    x = keras.Input((6,))
+    h = keras.layers.Dense(5, activation="relu")(x)
+    return keras.Model(x, {
+        "cls": keras.layers.Dense(3, activation="softmax", name="cls")(h),
+        "reg": keras.layers.Dense(1, name="reg")(h)})
+
+
+def test_evaluate_lists_stock_keras_list_first_for_several_outputs():
+    # Every model alike: the array's means are the stock model's values.
+    model = two_outputs()
+    array = hftatf.fuse_models([model] * B)
+    compiled = dict(loss={"cls": "sparse_categorical_crossentropy",
+                          "reg": "mse"},
+                    metrics={"cls": ["accuracy"], "reg": ["mae"]})
+    array.compile(hftatf.optimizers.SGD(0.1), **compiled)
+    model.compile(keras.optimizers.SGD(0.1), **compiled)
+    x, y = data(n=16)
+    labels = {"cls": y, "reg": np.ones((16, 1), "float32")}
+    expected = model.evaluate(x, labels, verbose=0)
+    values = array.evaluate(x, labels, verbose=0)
+    assert len(values) == len(expected) * (B + 1)
+    assert_close(values[:len(expected)], expected)
+
+
+def test_per_model_log_names_may_not_overwrite_another_log():
+    # Keras names the second AUC `auc_1`: model 1's `auc` would take it.
+    array = hftatf.fuse(mlp(classes=1), B)
+    array.compile(hftatf.optimizers.SGD(0.1), loss="binary_crossentropy",
+                  metrics=[keras.metrics.AUC(),
+                           keras.metrics.AUC(curve="PR")])
+    x, y = data(n=16, classes=2)
+    with pytest.raises(ValueError, match="would overwrite the log named "
+                       "`auc_1`.*name="):
+        array.evaluate(x, y.astype("float32"), verbose=0)
+
+
+def test_class_weight_takes_the_labels_of_one_named_output():
+    # Stock Keras refuses class weights with labels in a dict, even of one
+    # output; the array weighs the samples as sample weights would.
+    x, y = data(n=16)
+    class_weight = {0: 0.5, 1: 2.0, 2: 1.0}
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, {"out": keras.layers.Dense(
+        3, activation="softmax", name="out")(inputs)})
+    array = hftatf.fuse(model, B)
+    stock = stock_copies(array)
+    loss = {"out": "sparse_categorical_crossentropy"}
+    array.compile(hftatf.optimizers.SGD(0.1), loss=loss)
+    array.fit(x, {"out": y}, class_weight=class_weight, epochs=1,
+              batch_size=8, shuffle=False, verbose=0)
+    weights = np.array([class_weight[label] for label in y], "float32")
+    for b, model in enumerate(stock):
+        model.compile(keras.optimizers.SGD(0.1), loss=loss)
+        model.fit(x, {"out": y}, sample_weight={"out": weights}, epochs=1,
+                  batch_size=8, shuffle=False, verbose=0)
+        for got, expected in zip(array.get_model_weights(b),
+                                 model.get_weights()):
+            assert_close(got, expected, err_msg=f"model {b}")
+
+
 def test_listed_inputs_take_a_dict_keyed_by_input_names():
     ids = keras.Input((4,), dtype="int32", name="ids")
     features = keras.Input((3,), name="features")
