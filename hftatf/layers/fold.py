@@ -79,6 +79,29 @@ def fold_model_axis(x):
     return ops.reshape(x, (-1, *ops.shape(x)[2:]))
 
 
+def fold_for_stock(x):
+    """`fold_model_axis` for a stock layer or a raw operation to compute
+    on: in a traced step, with the folded batch's static size left
+    unknown.
+
+    Keras's TensorFlow `add` takes an operand that squeezes to a vector of
+    known length for a bias (`tf.nn.bias_add`) where that length equals
+    dimension 1 or the last of the other operand. A `[batch * B, 1]`
+    column of per-sample values (a `Dense(1)` output, a mean with
+    `keepdims`) would then be added along the wrong axis where
+    `batch * B` equals that dimension, though the stock model, at
+    `batch`, adds it right. An unknown batch never takes the shortcut.
+    (Run eagerly, every shape is known: the shortcut stays, as it does in
+    stock Keras where `batch` equals that dimension.)
+    """
+    folded = fold_model_axis(x)
+    if (isinstance(folded, tf.Tensor) and not tf.executing_eagerly()
+            and folded.shape.rank and folded.shape[0] is not None):
+        return tf.compat.v1.placeholder_with_default(
+            folded, [None, *folded.shape[1:]])
+    return folded
+
+
 def unfold_model_axis(x, num_models):
     """`[batch * B, *s]` -> `[batch, B, *s]`."""
     return ops.reshape(x, (-1, num_models, *ops.shape(x)[1:]))
@@ -170,7 +193,7 @@ def _fold_tensors(structure, name, num_models, models_first=False):
             return x
         check_model_axis(name, num_models, tuple(x.shape),
                          model_axis_of(models_first))
-        return fold_model_axis(x)
+        return fold_for_stock(x)
 
     return keras.tree.map_structure(fold, structure)
 
@@ -543,7 +566,7 @@ class FoldModelAxis(keras.layers.Layer):
 
     def call(self, inputs):
         check_model_axis(self.name, self.num_models, tuple(inputs.shape))
-        return rearranged(fold_model_axis, inputs)
+        return rearranged(fold_for_stock, inputs)
 
     def compute_mask(self, inputs, mask=None):
         return None if mask is None else fold_model_axis(mask)

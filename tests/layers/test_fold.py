@@ -293,6 +293,40 @@ def test_input_gradients_match_stock(case_id):
                          err_msg=f"input {i}, model {b}")
 
 
+@pytest.mark.parametrize("merge", ["layer", "raw op"])
+def test_a_column_added_at_a_folded_batch_equal_to_the_width(merge):
+    # Keras's TensorFlow `add` takes a [batch, 1] operand for a bias
+    # (tf.nn.bias_add) where batch equals the width: folded, [4 * 2, 1] +
+    # [8, 8] would add the column along the wrong axis, where the stock
+    # models, at batch 4, add it right.
+    def build(seed):
+        keras.utils.set_random_seed(seed)
+        x = keras.Input((4,))
+        wide = keras.layers.Dense(8)(x)
+        column = keras.layers.Dense(1)(x)
+        y = (keras.layers.Add()([wide, column]) if merge == "layer"
+             else wide + keras.ops.mean(wide, axis=-1, keepdims=True))
+        return keras.Model(x, y)
+
+    models = [build(seed) for seed in range(2)]
+    array = hftatf.fuse_models(models)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 4)).astype("float32")
+    y = rng.normal(size=(8, 8)).astype("float32")
+    predicted = array.predict(x, batch_size=4, verbose=0)
+    for b, model in enumerate(models):
+        assert_close(predicted[:, b], model.predict(x, batch_size=4,
+                                                    verbose=0))
+    array.compile(hftatf.optimizers.SGD(0.1), loss="mse")
+    array.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+    for b, model in enumerate(models):
+        model.compile(keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+        for ours, theirs in zip(array.get_model_weights(b),
+                                model.get_weights()):
+            assert_close(ours, theirs)
+
+
 def test_compute_output_shape_of_a_merge():
     fused = FusedFold(keras.layers.Concatenate(axis=1), NUM_MODELS)
     assert tuple(fused.compute_output_shape(
