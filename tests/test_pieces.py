@@ -109,9 +109,11 @@ def _stacked_activations(array, x, y):
             live.add(op)
             pending.extend(t.op for t in op.inputs)
             pending.extend(op.control_inputs)
+    # (Folds for stock layers leave the batch's static size unknown.)
     return [op.name for op in live
             if op.type == "Pack" and len(op.outputs[0].shape) >= 3
-            and tuple(op.outputs[0].shape[:2]) == (B, BATCH)]
+            and op.outputs[0].shape[0] == B
+            and op.outputs[0].shape[1] in (BATCH, None)]
 
 
 def _data(seed=0):
@@ -177,8 +179,11 @@ def test_reading_pieces_computes_what_the_stacked_layers_compute(
     stacked.set_weights(weights)
     theirs = run(stacked)
     assert len(ours) == len(theirs)
+    # The same sums in other orders: float32 rounding of values up to ~3
+    # over a few steps (1.9e-6 measured), where reading wrong pieces would
+    # be off by the size of the values themselves.
     for value, expected in zip(ours, theirs):
-        assert_close(value, expected, rtol=1e-5, atol=1e-6)
+        assert_close(value, expected, rtol=1e-5, atol=5e-6)
 
 
 def test_swapping_a_stacked_tensor_stacks_it_on_the_other_axis():

@@ -442,10 +442,11 @@ def export_best(tuner, directory, num_best):
             trials, tuner.get_best_models(len(trials)))):
         path = directory / f"rank_{rank}"
         path.mkdir(parents=True, exist_ok=True)
-        if model.optimizer is not None and not model.optimizer.built:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
             # Saved with the slots its variables need (fresh ones), so that
             # loading it compiled finds the state it builds.
-            model.optimizer.build(model.trainable_variables)
+            optimizer.build(model.trainable_variables)
         model.save(path / "model.keras")
         (path / "hyperparameters.json").write_text(json.dumps(
             {"trial": trial.trial_id, "score": trial.score,
