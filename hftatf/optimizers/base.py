@@ -26,6 +26,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
+from tensorflow.python.ops import control_flow_util
 
 from hftatf.layers.base import broadcast_to_models
 from hftatf.validation import check_num_models
@@ -562,17 +563,18 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         trainable_variables = self._variables_to_update(grads,
                                                         trainable_variables)
         mask = self._standardize_model_mask(model_mask)
-        if mask is None or tf.distribute.has_strategy():
+        if mask is None or tf.distribute.has_strategy() or _compiled_by_xla():
             # (A replica-context cond may not hold the merge_call that
-            # updates make under tf.distribute.)
+            # updates make under tf.distribute. XLA fuses the selects of
+            # the masked update into it: no cost per step, and one update
+            # to trace and compile, not two.)
             self._apply(grads, trainable_variables, mask)
         else:
             # Most steps update every model: those take the unmasked
             # update, without a select per variable and slot. Tracing both
             # costs time once (mobilenet_v3_small, B = 3, CPU: first step
             # 24.5 s, 18.9 s with the masked update alone); the selects
-            # would cost it every step without XLA (101 -> 109 ms; with
-            # XLA, which fuses them, no measurable change).
+            # would cost it every step (101 -> 109 ms).
             ops.cond(ops.all(mask),
                      lambda: self._apply(grads, trainable_variables, None),
                      lambda: self._apply(grads, trainable_variables, mask))
@@ -937,3 +939,9 @@ def _standardize(name, value):
                 else "a float or a sequence of floats (one per model)")
     raise TypeError(f"`{name}` must be {expected}. Received: {name}="
                     f"{value!r}.")
+
+
+def _compiled_by_xla():
+    """Whether the function being traced is compiled by XLA."""
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())
