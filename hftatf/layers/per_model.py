@@ -430,9 +430,10 @@ class FusedPerModel(FusedLayer):
                     f"{outside} outside Keras variables, which would be one "
                     "state for all models. Create its state with "
                     "`add_weight`.")
-            underived = [inner.name for inner in template._flatten_layers()
-                         if derives_state(inner)
-                         and not derives_state_by_ops(inner)]
+            self._derived = [inner for inner in template._flatten_layers()
+                             if derives_state(inner)]
+            underived = [inner.name for inner in self._derived
+                         if not derives_state_by_ops(inner)]
             if underived:
                 raise ValueError(
                     f"hftatf cannot fuse layer '{template.name}' "
@@ -441,8 +442,6 @@ class FusedPerModel(FusedLayer):
                     "`finalize_state` of its own, which cannot be derived "
                     "again from each model's weights within a call. "
                     "Compute that state from the weights in `call`.")
-            self._derived = [inner for inner in template._flatten_layers()
-                             if derives_state(inner)]
             for index, weight in enumerate(template.weights):
                 self._stacked.append(self._stack_weight(
                     weight, [copy.weights[index] for copy in copies]))
