@@ -448,13 +448,14 @@ def _models_per_pass(setting, num_models):
     return min(setting, num_models)
 
 
-def benchmark_model(args, name):
+def benchmark_model(args, name, failed):
     """Every mode at every B for the zoo model `name`: yields the CSV rows
     of each B (one per mode) as soon as they are measured.
 
     A measurement that runs past `--timeout` is recorded as timed out, and
     one whose worker crashed as failed (no throughput); the run goes on. A
-    probe that times out or fails leaves the model out.
+    probe that times out or fails leaves the model out. What crashed (the
+    probe, or a mode at a B) is appended to the list `failed`.
     """
     base = {"model": name, "batch_size": args.batch_size,
             "model_args": args.model_args, "data_args": args.data_args,
@@ -473,7 +474,7 @@ def benchmark_model(args, name):
     except WorkerError as error:
         print(f"[{name}] the probe failed: {name} is not measured.\n{error}",
               flush=True)
-        args.failed.append(f"{name} probe")
+        failed.append(f"{name} probe")
         return
     spec = {**base, "steps": probe["steps"],
             "jit_compile": probe["jit_compile"]}
@@ -497,7 +498,7 @@ def benchmark_model(args, name):
                     print(f"[{name}] B={num_models:<3} {mode:<10} failed:\n"
                           f"{error}", flush=True)
                     measured[mode].append(FAILED)
-                    args.failed.append(f"{name} B={num_models} {mode}")
+                    failed.append(f"{name} B={num_models} {mode}")
                     continue
                 measured[mode].append((num_models * work / seconds, rss, jit,
                                        os.getloadavg()[0],
@@ -729,12 +730,12 @@ def main(argv=None):
         return report(rows, directory)
     _check_writable(directory)
     rows = []
-    args.failed = []
+    failed = []
     if args.append:
         rows = [row for row in read_csv(directory / "results.csv")
                 if row["model"] not in args.models]
     for name in args.models:
-        for measured in benchmark_model(args, name):
+        for measured in benchmark_model(args, name, failed):
             rows.extend(measured)
             # Written after every B: a long run that dies keeps what it
             # measured.
@@ -742,13 +743,13 @@ def main(argv=None):
     if not rows:
         raise SystemExit(
             "Nothing was measured: every probe ran past --timeout "
-            f"{args.timeout:.0f} s or failed (" + "; ".join(args.failed)
+            f"{args.timeout:.0f} s or failed (" + "; ".join(failed)
             + "); see above.")
     rows = report(rows, directory)
-    if args.failed:
+    if failed:
         raise SystemExit(
-            f"{len(args.failed)} measurement(s) failed (their errors are "
-            f"above): {'; '.join(args.failed)}. The others are in "
+            f"{len(failed)} measurement(s) failed (their errors are "
+            f"above): {'; '.join(failed)}. The others are in "
             f"{directory / 'results.csv'}.")
     return rows
 

@@ -432,6 +432,19 @@ def _same_shape(a, b):
         x is None or y is None or x == y for x, y in zip(a, b))
 
 
+def _fits_shared_weight(weight_shape, pred_shape):
+    """Whether sample weights of `weight_shape` fit the stock model's
+    output, the array's `pred_shape` without its model axis: one weight
+    per sample, or per sample and time step (`[batch, T]` or `[batch, T,
+    1]` for `[batch, T, ...]`)."""
+    stock = pred_shape[:1] + pred_shape[2:]
+    rank = len(weight_shape)
+    return 1 <= rank <= len(stock) and _same_shape(
+        weight_shape[1:], stock[1:rank]) or (
+            rank == len(stock) and weight_shape[-1] == 1
+            and _same_shape(weight_shape[1:-1], stock[1:-1]))
+
+
 @hftatf_export
 class FusedModel(keras.Model):
     """An array of `num_models` same-architecture models trained as one.
@@ -825,6 +838,11 @@ class FusedModel(keras.Model):
                 label_shape[2:], pred_shape[2:-1])
         shared = _same_shape(label_shape[1:], pred_shape[2:]) or (
             _same_shape(label_shape[1:], (*pred_shape[2:-1], 1)))
+        if per_model_sparse and shared and label_shape[1] is None:
+            # An axis 1 of unknown size (a `tf.data` pipeline of sequences
+            # of any length) is no sign of B models: the labels are read as
+            # the stock model reads them.
+            return False
         if per_model_sparse and shared:
             # E.g. shared one-hot or multi-hot labels of B classes, or
             # per-model class ids: the loss tells where it is one of Keras's
@@ -865,9 +883,15 @@ class FusedModel(keras.Model):
         if len(weight_shape) < 2 or weight_shape[1] not in (
                 None, self.num_models):
             return False
+        if weight_shape[1] is None and self._per_model_labels is None and (
+                _fits_shared_weight(weight_shape, pred_shape)):
+            # An axis 1 of unknown size (a `tf.data` pipeline of sequences
+            # of any length) is no sign of B models: the weights are read
+            # as the stock model reads them.
+            return False
         if len(weight_shape) == len(pred_shape) - 1:
             return True  # [batch, B, *per-sample axes]
-        if len(weight_shape) != 2:
+        if len(weight_shape) != 2 or len(pred_shape) < 3:
             return False
         # [batch, B] (per model, one weight per sample) or [batch, T] (shared,
         # one weight per time step) for a sequence output.

@@ -102,6 +102,40 @@ def test_shared_sample_weights(per_model_labels):
         {"loss": LOSS})
 
 
+def tagger(steps=None):
+    x = keras.Input((steps, 3), name="x")
+    h = keras.layers.GRU(4, return_sequences=True, name="h")(x)
+    return keras.Model(x, keras.layers.Dense(3, name="out")(h))
+
+
+@pytest.mark.parametrize("weight_shape", [None, (N, 5), (N, 5, 1)])
+def test_shared_sequence_labels_of_unknown_length_stay_shared(weight_shape):
+    # A pipeline of sequences of any length: axis 1 of the labels and the
+    # weights has no static size, and is time, not the models.
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(N, 5, 3)).astype("float32")
+    y = rng.integers(0, 3, (N, 5, 1)).astype("int32")
+    weights = None if weight_shape is None else rng.uniform(
+        0.1, 2.0, weight_shape).astype("float32")
+
+    def dataset():
+        parts = (x, y) if weights is None else (x, y, weights)
+        return tf.data.Dataset.from_generator(
+            lambda: (tuple(p[i:i + BATCH] for p in parts)
+                     for i in range(0, N, BATCH)),
+            output_signature=tuple(
+                tf.TensorSpec((None, None, *p.shape[2:]), p.dtype)
+                for p in parts))
+
+    _, history, stock = train_both(
+        tagger, x,
+        lambda a: a.fit(dataset(), epochs=2, verbose=0),
+        lambda m, b: m.fit(dataset(), epochs=2, verbose=0),
+        {"loss": LOSS})
+    for b in range(B):
+        assert_close(history[f"loss_{b}"], stock[b]["loss"])
+
+
 @pytest.mark.parametrize("per_model_labels", [False, True])
 def test_class_weights_follow_each_models_labels(per_model_labels):
     x, y, _ = data(3, per_model_labels)

@@ -274,11 +274,19 @@ class _Plan:
         return self.model_dir / results.HISTORY_FILE
 
     @property
+    def columns(self):
+        """Each model's hyper-parameter values by name: the learning rate,
+        then the hyper-parameters given one value per model."""
+        columns = {"learning_rate": self.per_model["learning_rate"]
+                   if "learning_rate" in self.per_model
+                   else [self.shared["learning_rate"]] * self.num_models}
+        columns.update(self.per_model)
+        return columns
+
+    @property
     def hyperparameters(self):
-        """The per-model columns of the history: the learning rate, then
-        the hyper-parameters given one value per model."""
-        return ["learning_rate",
-                *(n for n in self.per_model if n != "learning_rate")]
+        """The per-model columns of the history, in order."""
+        return list(self.columns)
 
 
 def _prepare(config):
@@ -363,12 +371,8 @@ def _fit(plan, callbacks):
 def _report(plan, array):
     """Writes the results, the loss curves and the exports of the trained
     `array`; returns the `Run`."""
-    config, num_models = plan.config, plan.num_models
-    history = results.read_history(plan.history_path, num_models)
-    columns = {"learning_rate": plan.per_model["learning_rate"]
-               if "learning_rate" in plan.per_model
-               else [plan.shared["learning_rate"]] * num_models}
-    columns.update(plan.per_model)
+    config, columns = plan.config, plan.columns
+    history = results.read_history(plan.history_path, plan.num_models)
     rows = results.model_results(history, columns, array.diverged_models)
     results.write_csv(rows, plan.model_dir / results.RESULTS_FILE)
     results.plot_losses(history, [_label(row, columns) for row in rows],
@@ -384,7 +388,7 @@ def _report(plan, array):
     return Run(config=config, array=array, history=history, results=rows,
                best=results.best_model(rows, best_by, mode), best_by=best_by,
                model_dir=plan.model_dir, export_dir=export_dir,
-               hyperparameters=list(columns),
+               hyperparameters=plan.hyperparameters,
                initial_epoch=plan.initial_epoch,
                num_replicas=plan.strategy.num_replicas_in_sync)
 
@@ -548,7 +552,7 @@ def _label(row, columns):
 
 def main(argv):
     if len(argv) > 1:
-        raise app.UsageError(
+        raise ConfigError(
             f"Unexpected arguments: {' '.join(argv[1:])} (every option is a "
             "--flag; see --helpfull).")
     # TensorFlow's notes (SavedModel assets, ...) would drown the run's.

@@ -502,7 +502,7 @@ def main(argv, flag_values=FLAGS):
     and exports the best models; returns the tuner (None after a local
     cluster, whose chief prints and exports)."""
     if len(argv) > 1:
-        raise app.UsageError(
+        raise FlagError(
             f"Unexpected arguments: {' '.join(argv[1:])} (every option is a "
             "--flag; see --helpfull).")
     tf.get_logger().setLevel("WARNING")

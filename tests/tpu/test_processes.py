@@ -90,3 +90,22 @@ def test_module_command_line_refuses_invalid_flags_before_any_work(
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert "hftatf-train: error: --model: Unknown zoo model" in refused.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("module,command,directory", [
+    ("hftatf.tpu.train", "hftatf-train", "model_dir"),
+    ("hftatf.tpu.tune", "hftatf-tune", "directory")])
+def test_a_stray_word_on_the_command_line_is_one_line(tmp_path, module,
+                                                       command, directory):
+    refused = subprocess.run(
+        [sys.executable, "-m", module, "resnet18",
+         f"--{directory}={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    lines = [line for line in refused.stderr.splitlines()
+             if line.startswith(f"{command}: ")]
+    assert lines == [f"{command}: error: Unexpected arguments: resnet18 "
+                     "(every option is a --flag; see --helpfull)."]
+    # No usage text: the flags' help is not printed.
+    assert f"--{directory}" not in refused.stderr
+    assert not (tmp_path / "run").exists()
