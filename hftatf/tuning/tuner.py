@@ -386,7 +386,12 @@ class FusedTuner(keras_tuner.Tuner):
         entry = self._trained.get((trial_id, execution))
         if entry is None or entry[0] not in self._arrays:
             return None
-        return self._arrays[entry[0]], entry[1]
+        array, index = self._arrays[entry[0]], entry[1]
+        if array.diverged_models[index]:
+            # Frozen where it diverged, after its best epoch: it goes on
+            # from that epoch's saved weights, as in stock Hyperband.
+            return None
+        return array, index
 
     def _auto_capacity(self, member, fit_args, fit_kwargs):
         """The array size for `member`'s group, probed once per group."""
@@ -549,11 +554,17 @@ class _TrialRecorder(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         per_model, _ = fused_callbacks.split_logs(logs,
                                                   self.model.num_models)
+        diverged = self.model.diverged_models
         stacked = None
         for index, member in enumerate(self.members):
             if not self._training[index]:
                 continue
-            model_logs = {name: float(values[index])
+            # A diverged model is frozen at its last finite weights, which
+            # its metrics would score: the trial records what diverged
+            # training is worth instead, NaN (its stock twin's weights are
+            # NaN; keras-tuner fails a trial whose score is NaN).
+            model_logs = {name: float("nan") if diverged[index]
+                          else float(values[index])
                           for name, values in per_model.items()}
             self.logs[index].append(model_logs)
             if self._improved(member, model_logs):

@@ -357,3 +357,63 @@ def test_run_trial_trains_one_trial_as_stock_run_trial_does(tmp_path):
     assert len(history.history["val_accuracy"]) == 2
     model = tuner.load_model(trial)
     assert model.predict(X_VAL[:2], verbose=0).shape == (2, 10)
+
+
+def diverging_build(hp):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((8,)), keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(3, activation="softmax")])
+    model.compile(
+        optimizer=keras.optimizers.SGD(hp.Choice("learning_rate",
+                                                 [1e8, 1e-2])),
+        loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+def linear_classes(rng, count, weights):
+    x = rng.normal(size=(count, 8)).astype("float32")
+    noise = 0.5 * rng.normal(size=(count, 3))
+    return x, np.argmax(x @ weights + noise, axis=1)
+
+
+def test_a_diverged_trial_scores_nan_and_fails(tmp_path):
+    # Frozen at its last finite weights, the diverged model would still
+    # score an accuracy, above the converging trial's on these data (stock
+    # keras-tuner picks the converging one).
+    rng = np.random.default_rng(0)
+    weights = rng.normal(size=(8, 3))
+    (x, y), validation = [linear_classes(rng, n, weights) for n in (256, 96)]
+    oracle = keras_tuner.oracles.GridSearchOracle(
+        objective="val_accuracy", max_trials=2)
+    tuner = tuning.FusedTuner(oracle, diverging_build, num_models=2,
+                              directory=str(tmp_path))
+    tuner.search(x, y, epochs=3, batch_size=32, verbose=0, shuffle=False,
+                 validation_data=validation)
+    done = {t.hyperparameters.values["learning_rate"]: t
+            for t in trials(tuner)}
+    assert done[1e8].status == "FAILED"
+    assert np.isnan(done[1e8].metrics.get_last_value("val_accuracy"))
+    assert done[1e-2].status == "COMPLETED"
+    (best,) = tuner.get_best_hyperparameters()
+    assert best.values["learning_rate"] == 1e-2
+
+
+def test_a_diverged_model_continues_from_its_saved_best_epoch(tmp_path):
+    tuner = tuning.FusedHyperband(
+        diverging_build, objective="val_accuracy", max_epochs=2,
+        factor=2, num_models=2, directory=str(tmp_path))
+    array = hftatf.fuse(diverging_build(keras_tuner.HyperParameters()), 2)
+    array.compile(hftatf.optimizers.SGD(1e-2),
+                  loss="sparse_categorical_crossentropy")
+    array.set_model_weights(1, [np.full_like(w, np.nan)
+                                for w in array.get_model_weights(1)])
+    x, y = linear_classes(np.random.default_rng(0), 8, np.ones((8, 3)))
+    array.train_on_batch(x, y)
+    assert list(array.diverged_models) == [False, True]
+    tuner._arrays[id(array)] = array
+    tuner._trained.update({("a", 0): (id(array), 0),
+                           ("b", 0): (id(array), 1)})
+    assert tuner._trained_model("a", 0) == (array, 0)
+    # Frozen where it diverged: the saved weights of its best epoch go on.
+    assert tuner._trained_model("b", 0) is None
