@@ -1515,7 +1515,9 @@ class FusedModel(keras.Model):
                 isinstance(group, CompileLoss)) else group.result()
             for name, value in results.items():
                 per_model.setdefault(name, [None] * self.num_models)
-                per_model[name][index] = value
+                # A result may be the metric's own variable (the counts of
+                # `TruePositives(thresholds=[...])`).
+                per_model[name][index] = tf.convert_to_tensor(value)
         _check_log_names(per_model, self.num_models)
         logs = {}
         # The array's mean leaves out diverged models, so one failure does

@@ -350,21 +350,24 @@ def test_a_second_compile_replaces_the_first_ones_logs():
         [history.history[f"loss_{b}"][-1] for b in range(B)]))
 
 
-def test_vector_metrics_are_logged_per_model_and_averaged():
+@pytest.mark.parametrize("metric,name", [
+    (keras.metrics.F1Score, "f1_score"),
+    # Its result is its own variable of counts, one per threshold.
+    (lambda: keras.metrics.TruePositives(thresholds=[0.2, 0.5], name="tp"),
+     "tp")])
+def test_vector_metrics_are_logged_per_model_and_averaged(metric, name):
     x, y = data(n=16)
     array = hftatf.fuse(mlp(), B)
     array.compile(hftatf.optimizers.SGD(0.1),
-                  loss="categorical_crossentropy",
-                  metrics=[keras.metrics.F1Score()])
+                  loss="categorical_crossentropy", metrics=[metric()])
     one_hot = np.eye(3, dtype="float32")[y]
     logs = array.evaluate(x, one_hot, verbose=0, return_dict=True)
     for b, model in enumerate(stock_copies(array)):
-        model.compile(loss="categorical_crossentropy",
-                      metrics=[keras.metrics.F1Score()])
+        model.compile(loss="categorical_crossentropy", metrics=[metric()])
         expected = model.evaluate(x, one_hot, verbose=0, return_dict=True)
-        assert_close(logs[f"f1_score_{b}"], expected["f1_score"])
-    assert_close(logs["f1_score"], np.mean(
-        [logs[f"f1_score_{b}"] for b in range(B)], axis=0))
+        assert_close(logs[f"{name}_{b}"], expected[name])
+    assert_close(logs[name], np.mean(
+        [logs[f"{name}_{b}"] for b in range(B)], axis=0))
     array.fit(x, one_hot, epochs=1, verbose=0)
 
 
