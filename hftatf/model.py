@@ -312,13 +312,37 @@ def _copy_model_slices(sources, targets, indices, num_models):
         target.assign(value)
 
 
+def custom_objects(structure):
+    """The functions and the classes of the objects in `structure` (and
+    the functions that Keras's wrapping losses and metrics hold), by the
+    names their configs give them."""
+    found = {}
+    pending = [structure]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            pending.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            pending.extend(value)
+        elif callable(value) and hasattr(value, "__name__"):
+            found[value.__name__] = value
+        elif value is not None and not isinstance(value, (str, int, float)):
+            found[type(value).__name__] = type(value)
+            pending.extend(getattr(value, name, None)
+                           for name in ("fn", "_fn"))
+    return found
+
+
 def _clone_metrics(metrics):
     """Returns `metrics` with every Metric object replaced by a fresh copy,
     so that each model of the array keeps its own metric state."""
 
     def clone(metric):
         if isinstance(metric, keras.metrics.Metric):
-            return type(metric).from_config(metric.get_config())
+            # The metric's function or class, if the user's own, need not
+            # be registered with Keras: stock compile takes it as it is.
+            with keras.saving.custom_object_scope(custom_objects(metric)):
+                return type(metric).from_config(metric.get_config())
         return metric
 
     return keras.tree.map_structure(clone, metrics, none_is_leaf=True) if (

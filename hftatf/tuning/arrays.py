@@ -19,6 +19,7 @@ import numpy as np
 import hftatf
 from hftatf import optimizers as fused_optimizers
 from hftatf.fuse import _architecture, set_layer_weights, weighted_layers
+from hftatf.model import custom_objects
 
 # Compile arguments that the array decides for itself: the optimizer is
 # built per model, and a stock model's `jit_compile` is already resolved
@@ -115,6 +116,16 @@ def group_key(model, optimizer, extra=None):
     return json.dumps(description, sort_keys=True, default=repr)
 
 
+def compile_arguments(model):
+    """`compile_config(model)` as arguments for `compile`: new losses and
+    metrics made from their configs. Functions and classes of the user's
+    own that are not registered with Keras are found among the objects
+    `model` was compiled with, as stock compile takes them."""
+    with keras.saving.custom_object_scope(custom_objects(
+            model._compile_config.config)):
+        return keras.saving.deserialize_keras_object(compile_config(model))
+
+
 def fuse_trials(models, optimizers, jit_compile="auto"):
     """A compiled array whose model `b` is `models[b]` (its weights) with
     the optimizer `optimizers[b]`.
@@ -125,8 +136,7 @@ def fuse_trials(models, optimizers, jit_compile="auto"):
         jit_compile: the array's `jit_compile` (see `FusedModel.compile`).
     """
     array = hftatf.fuse_models(models)
-    config = keras.saving.deserialize_keras_object(
-        compile_config(models[0]))
+    config = compile_arguments(models[0])
     config["jit_compile"] = jit_compile
     array.compile(optimizer=combine_optimizers(optimizers), **config)
     return array

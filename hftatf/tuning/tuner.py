@@ -400,8 +400,7 @@ class FusedTuner(keras_tuner.Tuner):
             y = fit_args[1] if len(fit_args) > 1 else fit_kwargs.get("y")
             batch_size = member.fit.get("batch_size",
                                         fit_kwargs.get("batch_size"))
-            config = keras.saving.deserialize_keras_object(
-                arrays.compile_config(member.model))
+            config = arrays.compile_arguments(member.model)
             self._capacities[member.key] = sizing.auto_num_models(
                 member.model, x, y, optimizer=member.optimizer,
                 loss=config.get("loss"), metrics=config.get("metrics"),

@@ -248,3 +248,41 @@ def test_trained_model_is_written_into_its_trial_model():
     arrays.set_model(target, stacked, 1)
     for got, want in zip(target.get_weights(), array.get_model_weights(1)):
         np.testing.assert_array_equal(got, want)
+
+
+def squared_error_of_probabilities(y_true, y_pred):
+    one_hot = keras.ops.one_hot(keras.ops.cast(y_true, "int32"), 3)
+    return keras.ops.mean(keras.ops.square(one_hot - y_pred), axis=-1)
+
+
+def top_probability(y_true, y_pred):
+    return keras.ops.max(y_pred, axis=-1)
+
+
+class MeanLabel(keras.metrics.Mean):
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        return super().update_state(y_true, sample_weight)
+
+
+def test_losses_and_metrics_not_registered_with_keras_train_as_stock():
+    # Stock compile takes them as they are: no registration needed.
+    def build(seed):
+        return stock_model(
+            optimizer=keras.optimizers.SGD(0.1), seed=seed,
+            loss=squared_error_of_probabilities,
+            metrics=[keras.metrics.MeanMetricWrapper(
+                top_probability, name="top"),
+                     MeanLabel(name="mean_label")])
+
+    models = [build(seed) for seed in (0, 1)]
+    array = fused(models)
+    logs = array.evaluate(X, Y, verbose=0, return_dict=True)
+    for b, model in enumerate(models):
+        expected = model.evaluate(X, Y, verbose=0, return_dict=True)
+        for name in ("loss", "top", "mean_label"):
+            assert_close(logs[f"{name}_{b}"], expected[name],
+                         err_msg=f"model {b} {name}")
+    train_stock(models, 2)
+    for _ in range(2):
+        array.train_on_batch(X, Y)
+    assert_array_holds(array, models)
