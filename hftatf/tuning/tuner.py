@@ -191,6 +191,14 @@ class FusedTuner(keras_tuner.Tuner):
                 "trials with `FusedModel.fit`. Pass the fit arguments that "
                 "are hyper-parameters as trial_fit_kwargs=lambda hp: "
                 "{...} instead.")
+        if type(self).run_trial is not FusedTuner.run_trial:
+            # `search` trains many trials per array and never calls it.
+            raise TypeError(
+                f"{type(self).__name__} overrides `run_trial`, which a "
+                "fused search does not call: it trains many trials per "
+                "array. Pass the fit arguments that are hyper-parameters "
+                "as trial_fit_kwargs=lambda hp: {...}, and build the "
+                "rest in the hypermodel.")
         # Trained arrays that Hyperband's next rounds may continue.
         self._arrays = collections.OrderedDict()  # id -> array
         self._trained = {}  # (trial id, execution) -> (array id, index)

@@ -326,6 +326,21 @@ def test_bad_arguments_are_clear_errors(kwargs, error, message, tmp_path):
                                  directory=str(tmp_path), **kwargs)
 
 
+def test_a_tuner_overriding_run_trial_is_refused(tmp_path):
+    # keras-tuner's way to tune fit arguments; a fused search would never
+    # call it, and the batch size it samples would silently not be tuned.
+    class BatchSizeSearch(tuning.FusedRandomSearch):
+        def run_trial(self, trial, *args, **kwargs):
+            kwargs["batch_size"] = trial.hyperparameters.Choice(
+                "batch_size", [16, 32])
+            return super().run_trial(trial, *args, **kwargs)
+
+    with pytest.raises(TypeError, match="overrides `run_trial`.*"
+                       "trial_fit_kwargs"):
+        BatchSizeSearch(build, objective="val_loss", max_trials=1,
+                        directory=str(tmp_path))
+
+
 def test_fused_tuners_are_their_stock_tuners():
     assert issubclass(tuning.FusedRandomSearch, keras_tuner.RandomSearch)
     assert issubclass(tuning.FusedHyperband, keras_tuner.Hyperband)
