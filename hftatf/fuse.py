@@ -178,6 +178,19 @@ def _check_fusable(model):
         raise TypeError(
             "hftatf.fuse expects a keras.Model (functional or Sequential). "
             f"Received: {model!r} of type {type(model).__name__}.")
+    _check_graph_model(model)
+    try:
+        _input_structure(model)
+    except (AttributeError, ValueError, IndexError, TypeError):
+        raise ValueError(
+            f"Model '{model.name}' has no defined input yet. Give it an "
+            "input shape (keras.Input, or call model.build(shape)) before "
+            "fusing it.") from None
+    _check_no_weights_shared_into_per_model_layers(model)
+
+
+def _check_graph_model(model):
+    """Refuses a subclassed model, whose inputs Keras does not record."""
     if not isinstance(model, keras.Sequential) and not hasattr(
             model, "_nodes_by_depth"):
         raise ValueError(
@@ -190,14 +203,6 @@ def _check_fusable(model):
             "per model (hftatf.layers.FusedPerModel), from copies made from "
             "its config. Or rebuild it with the functional API, so that "
             "each of its layers fuses.")
-    try:
-        _input_structure(model)
-    except (AttributeError, ValueError, IndexError, TypeError):
-        raise ValueError(
-            f"Model '{model.name}' has no defined input yet. Give it an "
-            "input shape (keras.Input, or call model.build(shape)) before "
-            "fusing it.") from None
-    _check_no_weights_shared_into_per_model_layers(model)
 
 
 def _check_no_weights_shared_into_per_model_layers(model):
@@ -758,6 +763,8 @@ def _architecture(model):
         raise TypeError(
             f"hftatf.fuse_models expects keras.Model objects. Received: "
             f"{model!r} of type {type(model).__name__}.")
+    # Before its config: a subclassed model may have none.
+    _check_graph_model(model)
     # Names are the models' own (Keras numbers auto-named layers and raw
     # operations, such as the comparisons behind masks, per session): compare
     # positions in the graph instead.

@@ -243,17 +243,21 @@ def test_num_models_not_an_integer_is_refused():
 
 def test_subclassed_model_is_refused():
     class Subclassed(keras.Model):
-        def __init__(self):
+        # An argument of its own and no `get_config`.
+        def __init__(self, units):
             super().__init__()
-            self.dense = keras.layers.Dense(2)
+            self.dense = keras.layers.Dense(units)
 
         def call(self, x):
             return self.dense(x)
 
-    model = Subclassed()
+    model = Subclassed(2)
     model(np.zeros((1, 3), "float32"))
     with pytest.raises(ValueError, match="subclassed.*keras.Input"):
         hftatf.fuse(model, 2)
+    # Before Keras's error for its missing `get_config`.
+    with pytest.raises(ValueError, match="subclassed.*keras.Input"):
+        hftatf.fuse_models([model, model])
 
 
 def test_layer_that_cannot_run_per_model_is_refused_by_name():
