@@ -881,7 +881,10 @@ class FusedModel(keras.Model):
                 f"Cannot match labels of shape {label_shape} to the array's "
                 f"output of shape {pred_shape} ([batch, num_models, ...]). "
                 "Give labels shared by all models as [batch, ...] (as for "
-                "the stock model) or per model as [batch, num_models, ...].")
+                "the stock model) or per model as [batch, num_models, ...]; "
+                "for a loss that takes labels of another shape than its "
+                "output's, say which with compile(per_model_labels=True or "
+                "False).")
         return per_model_sparse
 
     def _output_losses(self, y_pred):
@@ -903,6 +906,15 @@ class FusedModel(keras.Model):
     def _is_per_model_weight(self, weight, prediction):
         """Whether a sample weight is `[batch, B, ...]` (per model) rather
         than shared (`[batch, ...]`, as for the stock model)."""
+        if isinstance(weight.shape, tf.TensorShape) and (
+                weight.shape.rank is None):
+            # A step traced again for weights of another rank than before
+            # (TensorFlow then relaxes their shape to an unknown rank).
+            raise ValueError(
+                "Cannot tell whether sample weights of unknown rank are "
+                "shared by the models or per model: this array's step was "
+                "traced for sample weights of another rank before. Give "
+                "them one rank in every call, or compile the array again.")
         weight_shape, pred_shape = tuple(weight.shape), tuple(prediction.shape)
         if len(weight_shape) < 2 or weight_shape[1] not in (
                 None, self.num_models):
@@ -915,8 +927,10 @@ class FusedModel(keras.Model):
             return False
         if len(weight_shape) == len(pred_shape) - 1:
             return True  # [batch, B, *per-sample axes]
-        if len(weight_shape) != 2 or len(pred_shape) < 3:
+        if len(weight_shape) != 2:
             return False
+        if len(pred_shape) < 3:
+            return True  # [batch, B] for an output of one value per sample
         # [batch, B] (per model, one weight per sample) or [batch, T] (shared,
         # one weight per time step) for a sequence output.
         if pred_shape[2] != self.num_models:

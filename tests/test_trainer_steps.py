@@ -102,6 +102,35 @@ def test_shared_sample_weights(per_model_labels):
         {"loss": LOSS})
 
 
+def scalar_regressor():
+    x = keras.Input((5,), name="x")
+    return keras.Model(x, keras.layers.Reshape(())(keras.layers.Dense(1)(x)))
+
+
+def squared_error(y_true, y_pred):
+    return keras.ops.square(y_true - y_pred)
+
+
+@pytest.mark.parametrize("per_model_weights", [False, True])
+def test_sample_weights_of_an_output_of_one_value_per_sample(
+        per_model_weights):
+    # The stock output is `[batch]`, the array's `[batch, B]`.
+    x, _, rng = data(6)
+    y = rng.normal(size=(N,)).astype("float32")
+    weights = rng.uniform(0.1, 2.0, (N, B) if per_model_weights else (N,))
+
+    def weight(b):
+        return weights[:, b] if per_model_weights else weights
+
+    _, history, stock = train_both(
+        scalar_regressor, x,
+        lambda a: a.fit(x, y, sample_weight=weights, **fit_kwargs()),
+        lambda m, b: m.fit(x, y, sample_weight=weight(b), **fit_kwargs()),
+        {"loss": squared_error})
+    for b in range(B):
+        assert_close(history[f"loss_{b}"], stock[b]["loss"])
+
+
 def tagger(steps=None):
     x = keras.Input((steps, 3), name="x")
     h = keras.layers.GRU(4, return_sequences=True, name="h")(x)
