@@ -333,6 +333,21 @@ def custom_objects(structure):
     return found
 
 
+def _check_reduced(loss):
+    """Refuses a compiled loss that reduces nothing: each model's loss must
+    be one number, logged and trained on alike."""
+    for value in keras.tree.flatten(loss):
+        if isinstance(value, keras.losses.Loss) and value.reduction in (
+                None, "none"):
+            raise ValueError(
+                f"Loss '{value.name}' has reduction={value.reduction!r}, "
+                "which an array does not take: each model's loss must be "
+                "one number. Stock Keras trains on the sum of the values "
+                "and logs their mean; reduction='sum' trains alike (and "
+                "logs the sum), 'sum_over_batch_size' logs the mean and "
+                "trains on it.")
+
+
 def _clone_metrics(metrics):
     """Returns `metrics` with every Metric object replaced by a fresh copy,
     so that each model of the array keeps its own metric state."""
@@ -702,6 +717,7 @@ class FusedModel(keras.Model):
         """
         models_per_pass = passes.check_models_per_pass(
             models_per_pass, self.num_models)
+        _check_reduced(loss)
         optimizer = fused_optimizers.get(optimizer)
         if (auto_scale_loss and self.dtype_policy.name == "mixed_float16"
                 and not isinstance(optimizer,

@@ -310,3 +310,12 @@ def test_predict_gives_every_models_outputs():
         expected = model.predict(x, batch_size=BATCH, verbose=0)
         for name in ("cls", "reg"):
             assert_close(outputs[name][:, b], expected[name])
+
+
+@pytest.mark.parametrize("loss", [
+    keras.losses.MeanSquaredError(reduction="none"),
+    {"cls": "mse", "reg": keras.losses.MeanAbsoluteError(reduction=None)}])
+def test_a_loss_that_reduces_nothing_is_refused(loss):
+    array = hftatf.fuse(two_headed(), B)
+    with pytest.raises(ValueError, match="reduction=.*'sum'"):
+        array.compile(optimizer=hftatf.optimizers.SGD(RATES), loss=loss)
