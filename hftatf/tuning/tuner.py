@@ -101,6 +101,8 @@ class FusedTuner(keras_tuner.Tuner):
     `keras.callbacks.EarlyStopping` becomes `hftatf.callbacks.EarlyStopping`
     with the same arguments, which stops each model on its own; a trial's
     history ends at the epoch its model stopped, as a stock trial's does.
+    Stock `ReduceLROnPlateau` and `LearningRateScheduler` become their
+    `hftatf.callbacks` forms likewise, which set each model's own rate.
     Other callbacks see the array's logs (`name` is the mean over models,
     `name_b` model `b`'s value; see `hftatf.callbacks`): use
     `hftatf.callbacks.TensorBoard` for one TensorBoard run per model. The
@@ -618,6 +620,15 @@ def _for_array(callback):
             mode=callback.mode, baseline=callback.baseline,
             restore_best_weights=callback.restore_best_weights,
             start_from_epoch=callback.start_from_epoch)
+    if type(callback) is keras.callbacks.ReduceLROnPlateau:
+        return fused_callbacks.ReduceLROnPlateau(
+            monitor=callback.monitor, factor=callback.factor,
+            patience=callback.patience, verbose=callback.verbose,
+            mode=callback.mode, min_delta=callback.min_delta,
+            cooldown=callback.cooldown, min_lr=callback.min_lr)
+    if type(callback) is keras.callbacks.LearningRateScheduler:
+        return fused_callbacks.LearningRateScheduler(
+            callback.schedule, verbose=callback.verbose)
     return callback
 
 

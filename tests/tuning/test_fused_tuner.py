@@ -5,6 +5,7 @@ import keras
 import keras_tuner
 import numpy as np
 import pytest
+from testing import assert_close
 
 import hftatf
 from hftatf import tuning
@@ -432,3 +433,30 @@ def test_a_diverged_model_continues_from_its_saved_best_epoch(tmp_path):
     assert tuner._trained_model("a", 0) == (array, 0)
     # Frozen where it diverged: the saved weights of its best epoch go on.
     assert tuner._trained_model("b", 0) is None
+
+
+def test_stock_learning_rate_callbacks_act_on_each_trial(tmp_path):
+    def search(cls, **kwargs):
+        tuner = cls(build, objective="val_loss", max_trials=2, seed=3,
+                    directory=str(tmp_path), project_name=cls.__name__,
+                    **kwargs)
+        tuner.search(
+            X[:64], Y[:64], epochs=3, verbose=0, shuffle=False,
+            validation_data=(X_VAL[:32], Y_VAL[:32]), callbacks=[
+                keras.callbacks.ReduceLROnPlateau(
+                    "val_loss", factor=0.5, patience=0, min_delta=10.0),
+                keras.callbacks.LearningRateScheduler(
+                    lambda epoch, rate: rate * 0.7)])
+        return {t.trial_id: (t.hyperparameters.values, t.status,
+                             t.metrics.get_history("val_loss"))
+                for t in trials(tuner)}
+
+    stock = search(SerialRandomSearch)
+    fused = search(tuning.FusedRandomSearch, num_models=2)
+    assert stock.keys() == fused.keys()
+    for trial_id, (values, status, history) in stock.items():
+        assert fused[trial_id][:2] == (values, status) == (values,
+                                                            "COMPLETED")
+        got = [o.value for o in fused[trial_id][2]]
+        want = [o.value for o in history]
+        assert_close(np.array(got), np.array(want), err_msg=trial_id)
