@@ -163,6 +163,11 @@ def _settings(flag_values):
         if flag_values[name].value < 1:
             raise FlagError(f"--{name} must be >= 1. Received: "
                             f"{flag_values[name].value}.")
+    if num_models != "auto" and num_models < flag_values.executions_per_trial:
+        raise FlagError(
+            f"--num_models={num_models} is below --executions_per_trial="
+            f"{flag_values.executions_per_trial}: a trial's executions "
+            "train side by side in one array.")
     epochs = recipe.epochs if flag_values.epochs is None else (
         flag_values.epochs)
     if epochs < 1:

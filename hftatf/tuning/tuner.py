@@ -123,8 +123,8 @@ class FusedTuner(keras_tuner.Tuner):
             A `HyperModel` with its own `fit` cannot train arrays; give
             `fit` arguments that are hyper-parameters with `trial_fit_kwargs`
             instead.
-        num_models: the largest array, in models (trials x executions), or
-            `"auto"`: the size `hftatf.tuning.auto_num_models` finds for the
+        num_models: the largest array, in models (trials x executions; at
+            least `executions_per_trial`), or `"auto"`: the size `hftatf.tuning.auto_num_models` finds for the
             first trial's model on this device (cached).
         trial_fit_kwargs: None, or a callable `hp -> dict` of `fit`
             arguments that are hyper-parameters, e.g.
@@ -186,6 +186,12 @@ class FusedTuner(keras_tuner.Tuner):
         self.keep_arrays = keep_arrays
         self.sizing_kwargs = dict(sizing_kwargs or {})
         super().__init__(oracle, hypermodel=hypermodel, **kwargs)
+        if num_models != "auto" and num_models < self.executions_per_trial:
+            raise ValueError(
+                f"num_models={num_models} is below executions_per_trial="
+                f"{self.executions_per_trial}: a trial's executions train "
+                "side by side in one array, so the largest array must hold "
+                "them all. Raise num_models (or leave it 'auto').")
         if type(self.hypermodel).fit is not keras_tuner.HyperModel.fit:
             raise TypeError(
                 f"The hypermodel {type(self.hypermodel).__name__} overrides "

@@ -111,6 +111,7 @@ def test_distributed_flags_set_keras_tuners_variables():
     (["--tuner_id=w1"], "go together"),
     (["--tuner_id=w1", "--oracle_address=nohost"], "host:port"),
     (["--local_workers=-1"], "local_workers"),
+    (["--num_models=2", "--executions_per_trial=3"], "below"),
     (["--local_workers=2", "--tuner_id=w1", "--oracle_address=h:1"],
      "does not go with"),
 ])

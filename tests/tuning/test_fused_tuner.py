@@ -319,6 +319,8 @@ class CustomFit(keras_tuner.HyperModel):
     ({"num_models": "many"}, ValueError, "num_models"),
     ({"trial_fit_kwargs": {"batch_size": 8}}, TypeError, "callable"),
     ({"keep_arrays": -1}, ValueError, "keep_arrays"),
+    ({"num_models": 2, "executions_per_trial": 3}, ValueError,
+     "num_models=2 is below executions_per_trial=3"),
 ])
 def test_bad_arguments_are_clear_errors(kwargs, error, message, tmp_path):
     kwargs = {"hypermodel": build, **kwargs}
