@@ -124,8 +124,9 @@ class FusedTuner(keras_tuner.Tuner):
             `fit` arguments that are hyper-parameters with `trial_fit_kwargs`
             instead.
         num_models: the largest array, in models (trials x executions; at
-            least `executions_per_trial`), or `"auto"`: the size `hftatf.tuning.auto_num_models` finds for the
-            first trial's model on this device (cached).
+            least `executions_per_trial`), or `"auto"`: the size
+            `hftatf.tuning.auto_num_models` finds for the first trial's
+            model on this device (cached).
         trial_fit_kwargs: None, or a callable `hp -> dict` of `fit`
             arguments that are hyper-parameters, e.g.
             `lambda hp: {"batch_size": hp.Choice("batch_size", [32, 64])}`.

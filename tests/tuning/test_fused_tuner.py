@@ -397,8 +397,8 @@ def linear_classes(rng, count, weights):
 
 def test_a_diverged_trial_scores_nan_and_fails(tmp_path):
     # Frozen at its last finite weights, the diverged model would still
-    # score an accuracy, above the converging trial's on these data (stock
-    # keras-tuner picks the converging one).
+    # score an accuracy and complete (it did before the recorder logged
+    # NaN); stock keras-tuner picks the converging trial.
     rng = np.random.default_rng(0)
     weights = rng.normal(size=(8, 3))
     (x, y), validation = [linear_classes(rng, n, weights) for n in (256, 96)]
