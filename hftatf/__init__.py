@@ -23,6 +23,7 @@ from hftatf import (
     optimizers,
     passes,
     seeds,
+    sparse,
 )
 from hftatf.export import (
     export_models,
@@ -49,6 +50,7 @@ __all__ = [
     "optimizers",
     "passes",
     "seeds",
+    "sparse",
 ]
 
 # Imported on first use: `tuning` needs keras-tuner (the `tune` extra), the

@@ -24,7 +24,7 @@ from keras.src.trainers.trainer import model_supports_jit
 from keras.src.utils import tracking
 
 from hftatf import optimizers as fused_optimizers
-from hftatf import passes, seeds
+from hftatf import passes, seeds, sparse
 from hftatf.api import hftatf_export
 from hftatf.layers import convolutional, objects, per_model
 from hftatf.layers.base import (
@@ -136,7 +136,7 @@ class _DivergenceReport(keras.callbacks.Callback):
                     "train on.", index, model.name, int(steps[index]))
 
 
-# Stock callbacks that read and set one learning rate, where an array's
+# Stock callbacks that read (or set) one learning rate, where an array's
 # optimizer holds one per model, and what does their work for an array.
 _SINGLE_RATE_CALLBACKS = {
     keras.callbacks.ReduceLROnPlateau: (
@@ -148,6 +148,10 @@ _SINGLE_RATE_CALLBACKS = {
         "the optimizer, e.g. hftatf.optimizers.Adam(learning_rate="
         "[schedule_0, schedule_1, ...]) with keras.optimizers.schedules, "
         "which each model follows by its own step count"),
+    # (It writes the rate with each epoch's logs.)
+    keras.callbacks.TensorBoard: (
+        "hftatf.callbacks.TensorBoard, which writes each model's results "
+        "and hyper-parameters as a TensorBoard run of its own"),
 }
 
 
@@ -157,12 +161,12 @@ def _check_callbacks(callbacks):
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
     for callback in callbacks or ():
-        alternative = _SINGLE_RATE_CALLBACKS.get(type(callback))
-        if alternative is not None:
-            raise ValueError(
-                f"keras.callbacks.{type(callback).__name__} reads and sets "
-                "one learning rate; an array's optimizer holds one per "
-                f"model. Use {alternative}.")
+        for stock, alternative in _SINGLE_RATE_CALLBACKS.items():
+            if isinstance(callback, stock):
+                raise ValueError(
+                    f"keras.callbacks.{stock.__name__} reads one learning "
+                    "rate; an array's optimizer holds one per model. Use "
+                    f"{alternative}.")
 
 
 def _finite_per_model(tensors, num_models):
@@ -198,13 +202,13 @@ def _finite_elements_per_model(tensors, num_models):
 def _per_model(tensor, num_models, reduce_rows, join_rows):
     """`[B]`: each model's elements of a `[B, ...]` tensor reduced by
     `reduce_rows` (`[rows, n] -> [rows]`). For an `IndexedSlices` of a
-    `[B, ...]` variable, whose indices are model indices, each of its rows
-    is reduced and a model's rows joined by `join_rows` (a segment
-    reduction)."""
-    if isinstance(tensor, tf.IndexedSlices):
+    `[B, ...]` variable (`hftatf.sparse`), each of its rows is reduced and
+    a model's rows joined by `join_rows` (a segment reduction)."""
+    if sparse.is_sparse(tensor):
         values = tensor.values
         rows = reduce_rows(ops.reshape(values, (ops.shape(values)[0], -1)))
-        return join_rows(rows, tensor.indices, num_models)
+        return join_rows(rows, sparse.model_ids(tensor, num_models),
+                         num_models)
     return reduce_rows(ops.reshape(tensor, (num_models, -1)))
 
 
@@ -384,6 +388,40 @@ def _expand_to(values, reference):
     return ops.reshape(values, (*ops.shape(values),
                                 *(1,) * (len(reference.shape)
                                          - len(values.shape))))
+
+
+def _with_output_attributes(forward):
+    """`forward` (returning `(y_pred, ...)`), returning the masks and the
+    logits Keras keeps on the outputs as results of their own: a
+    `tf.function` returns tensors without them."""
+    def function(*args):
+        y_pred, *rest = forward(*args)
+        flat = keras.tree.flatten(y_pred)
+        return (y_pred, [get_keras_mask(t) for t in flat],
+                [getattr(t, "_keras_logits", None) for t in flat], *rest)
+    return function
+
+
+def _restore_output_attributes(y_pred, masks, logits, *rest):
+    """The results of a `_with_output_attributes` function, with the
+    outputs' masks and logits attached again."""
+    for tensor, mask, logit in zip(keras.tree.flatten(y_pred), masks,
+                                   logits):
+        if mask is not None:
+            set_keras_mask(tensor, mask)
+        if logit is not None:
+            keep_logits(tensor, logit)
+    return (y_pred, *rest)
+
+
+def _joined_sparse(first, arrays, count, num_models):
+    """The sparse gradient of `num_models` models, from the joined values
+    and indices next in `arrays` (`first`: the first pass's, of `count`
+    models)."""
+    values, indices = next(arrays), next(arrays)
+    rows = first.dense_shape[0] // count
+    return tf.IndexedSlices(values, indices, tf.concat(
+        [[rows * num_models], first.dense_shape[1:]], 0))
 
 
 def _sum_gradients(parts):
@@ -1129,10 +1167,11 @@ class FusedModel(keras.Model):
         if self._replica_jit_compile:
             if self._compiled_forward is None:
                 self._compiled_forward = tf.function(
-                    self._forward_and_gradients, jit_compile=True,
-                    reduce_retracing=True)
+                    _with_output_attributes(self._forward_and_gradients),
+                    jit_compile=True, reduce_retracing=True)
             try:
-                return self._compiled_forward(x, y, sample_weight)
+                return _restore_output_attributes(
+                    *self._compiled_forward(x, y, sample_weight))
             except RuntimeError as error:
                 if "merge_call" not in str(error):
                     raise
@@ -1330,26 +1369,40 @@ class FusedModel(keras.Model):
         (`parallel_iterations` of 1). `first` gives the dtypes and shapes
         that every pass writes at its index of a `tf.TensorArray`: its
         predictions (models first, with their logits where Keras keeps
-        them), losses, per-model gradients (dense) and per-model state."""
+        them), losses, per-model gradients (dense, or the values and
+        indices of sparse ones) and per-model state."""
         _, first_preds, _, first_gradients, first_state = first
         _, (trainable_roles, state_roles) = self._pass_model(count)
         logits = [getattr(t, "_keras_logits", None) is not None
                   for t in keras.tree.flatten(first_preds)]
+        # Each output's mask: per model (written by every pass), shared by
+        # the models (the first pass's), or none.
+        first_masks = [get_keras_mask(t)
+                       for t in keras.tree.flatten(first_preds)]
+        masked = [m is not None and len(m.shape) == len(t.shape) - 1
+                  for m, t in zip(first_masks,
+                                  keras.tree.flatten(first_preds))]
 
         def written(part):
             """What a pass writes, and its gradients of the weights all
             models share (summed over the passes)."""
-            _, preds, losses, gradients, sliced = part
+            start, preds, losses, gradients, sliced = part
             flat = keras.tree.flatten(preds)
+            per_model = []
+            for g, role in zip(gradients, trainable_roles):
+                if role and sparse.is_sparse(g):
+                    per_model += [g.values, sparse.offset(g, start, count)]
+                elif role and g is not None:
+                    per_model.append(g)
             gradients = [(g if g is None else tf.convert_to_tensor(g), role)
                          for g, role in zip(gradients, trainable_roles)]
-            per_model = [g for g, role in gradients
-                         if role and g is not None]
             shared = [g for g, role in gradients
                       if not role and g is not None]
             return ([passes.models_first(t) for t in flat]
                     + [passes.models_first(t._keras_logits)
                        for t, has in zip(flat, logits) if has]
+                    + [passes.models_first(get_keras_mask(t))
+                       for t, has in zip(flat, masked) if has]
                     + [losses] + per_model
                     + [s for s in sliced if s is not None]), shared
 
@@ -1390,10 +1443,17 @@ class FusedModel(keras.Model):
         for t, has in zip(flat, logits):
             if has:
                 keep_logits(t, passes.batch_first(next(arrays)))
+        for t, has, mask in zip(flat, masked, first_masks):
+            if has:
+                set_keras_mask(t, passes.batch_first(next(arrays)))
+            elif mask is not None:
+                set_keras_mask(t, mask)
         losses = next(arrays)
         sums = iter(sums)
-        gradients = [None if g is None else next(arrays) if role
-                     else next(sums)
+        gradients = [None if g is None else _joined_sparse(
+                         g, arrays, count, num_passes * count)
+                     if role and sparse.is_sparse(g) else next(arrays)
+                     if role else next(sums)
                      for g, role in zip(first_gradients, trainable_roles)]
         sliced = [None if s is None else next(arrays) for s in first_state]
         carried = with_shared(carried, shared_state)

@@ -54,7 +54,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
+from keras.src.backend import get_keras_mask, set_keras_mask
 
+from hftatf import sparse
 from hftatf.layers.base import carry_logits
 
 # Assumed when the system does not say (a common server CPU's L3).
@@ -272,33 +274,49 @@ def batch_first(tensor):
 
 def concat_models(parts):
     """Joins the passes' `[batch, k, ...]` outputs on the model axis,
-    keeping the logits Keras caches on softmax and sigmoid outputs."""
+    keeping the logits Keras caches on softmax and sigmoid outputs and the
+    outputs' masks (losses and metrics read both)."""
     if len(parts) == 1:
         return parts[0]
 
     def concatenate(tensors):
         return ops.concatenate(tensors, axis=1)
 
-    return carry_logits(concatenate(parts), parts, concatenate)
+    output = carry_logits(concatenate(parts), parts, concatenate)
+    masks = [get_keras_mask(t) for t in parts]
+    if all(m is not None for m in masks):
+        per_model = len(masks[0].shape) == len(parts[0].shape) - 1
+        set_keras_mask(output, concatenate(masks) if per_model else masks[0])
+    return output
 
 
 def concat_gradients(parts, starts, shape):
     """One `[B, ...]` gradient from the passes' `[k, ...]` ones (None where
-    no pass has one; sparse rows index the model axis, offset by each pass's
-    first model)."""
+    no pass has one). Sparse ones (`hftatf.sparse`) stay sparse: their
+    rows move by each pass's first model."""
     if all(g is None for g in parts):
         return None
-    if any(isinstance(g, tf.IndexedSlices) for g in parts):
+    rows = {sparse.rows_per_model(g, shape) for g in parts
+            if sparse.is_sparse(g)}
+    if rows:
+        (rows,) = rows
+        some = next(g for g in parts if sparse.is_sparse(g))
+        tail = tuple(shape[len(shape) - len(some.values.shape) + 1:])
+        dtype = some.indices.dtype
         values, indices = [], []
         for gradient, start in zip(parts, starts):
             if gradient is None:
                 continue
-            if not isinstance(gradient, tf.IndexedSlices):
+            if not sparse.is_sparse(gradient):
+                gradient = tf.reshape(gradient, (-1,) + tail)
                 gradient = tf.IndexedSlices(
-                    gradient, tf.range(tf.shape(gradient)[0]))
+                    gradient, tf.range(tf.shape(gradient)[0],
+                                       dtype=dtype),
+                    tf.shape(gradient, out_type=tf.int64))
             values.append(gradient.values)
             indices.append(gradient.indices + ops.cast(
-                start, gradient.indices.dtype))
-        return tf.IndexedSlices(tf.concat(values, 0), tf.concat(indices, 0),
-                                dense_shape=tf.constant(shape, tf.int64))
+                start * rows, gradient.indices.dtype))
+        return tf.IndexedSlices(
+            tf.concat(values, 0), tf.concat(indices, 0),
+            dense_shape=tf.constant((shape[0] * rows,) + tail, tf.int64))
     return ops.concatenate(parts, axis=0)

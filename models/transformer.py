@@ -161,10 +161,16 @@ class FusedReversibleEmbedding(FusedEmbedding):
             transpose of its own table.
         embeddings: `[B, input_dim, output_dim]`.
 
+    The table's gradient is dense: a tied table's is, in the stock layer
+    too (the sum of the lookups' sparse gradient and the projection's dense
+    one).
+
     Args:
         num_models: the number of models `B`.
         **kwargs: as for `FusedEmbedding` (the stock `Embedding` arguments).
     """
+
+    sparse_gradient = False
 
     def call(self, inputs, reverse=False):
         if not reverse:

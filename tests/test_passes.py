@@ -346,3 +346,61 @@ def test_a_loop_over_passes_joins_their_outputs():
     np.testing.assert_array_equal(
         passes.take_models(tf.reshape(tf.range(12), (2, 6)), tf.constant(2),
                            3, axis=1), [[2, 3, 4], [8, 9, 10]])
+
+
+# -- what training metrics read: output masks and logits ---------------------
+
+
+def masked_tagger():
+    ids = keras.Input((4,), dtype="int32")
+    h = keras.layers.Embedding(10, 4, mask_zero=True)(ids)
+    return keras.Model(ids, keras.layers.Dense(2)(h))
+
+
+def saturated_softmax():
+    x = keras.Input((1,))
+    return keras.Model(x, keras.layers.Dense(
+        3, activation="softmax", kernel_initializer=keras.initializers.
+        Constant([[0.0, 40.0, -40.0]]))(x))
+
+
+@pytest.mark.parametrize("setting", [
+    {"strategy": True},  # the replica step compiled on its own
+    {"models_per_pass": 1},
+    {"models_per_pass": 1, "jit_compile": True},  # a loop over passes
+])
+def test_training_metrics_read_the_outputs_masks_and_logits(setting):
+    # Accuracy leaves masked steps out; a crossentropy metric on a
+    # saturated softmax reads its logits. Both were lost (accuracy over
+    # every step, 0.5 for 0.6; the metric 16.1 for 70.0).
+    setting = dict(setting)
+    strategy = (tf.distribute.OneDeviceStrategy("/cpu:0")
+                if setting.pop("strategy", False)
+                else tf.distribute.get_strategy())
+    ids = np.array([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0],
+                    [7, 8, 9, 1]], "int32")
+    tags = np.array([[0, 1, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0],
+                     [1, 1, 0, 1]])
+    x = np.array([[1.0], [2.0], [-1.0], [3.0]], "float32")
+    cases = [
+        (masked_tagger, ids, tags, keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True), "accuracy"),
+        (saturated_softmax, x, np.zeros(4, "int32"),
+         "sparse_categorical_crossentropy",
+         "sparse_categorical_crossentropy")]
+    for builder, inputs, labels, loss, metric in cases:
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            array = hftatf.fuse(builder(), B)
+            stock = array.unfuse()
+            array.compile(hftatf.optimizers.SGD(0.0), loss=loss,
+                          metrics=[metric], **setting)
+        history = array.fit(inputs, labels, batch_size=4, verbose=0).history
+        for b, model in enumerate(stock):
+            with strategy.scope():
+                model.compile(keras.optimizers.SGD(0.0), loss=loss,
+                              metrics=[metric])
+            expected = model.fit(inputs, labels, batch_size=4,
+                                 verbose=0).history[metric][0]
+            assert_close(history[f"{metric}_{b}"][0], expected,
+                         err_msg=f"{builder.__name__}, model {b}")

@@ -130,7 +130,11 @@ def layer_outputs_and_gradients(layer, inputs, cotangents, training=None,
     floating = [x for x in inputs if x.dtype.is_floating]
     grads = tape.gradient(scalar, [*floating, *layer.trainable_weights],
                           unconnected_gradients="zero")
-    grads = [np.asarray(tf.convert_to_tensor(g)) for g in grads]
+    from hftatf import sparse
+
+    # (A fused embedding's sparse gradient is of its flattened table.)
+    grads = [np.asarray(sparse.dense(g, x.shape)) for g, x in zip(
+        grads, [*floating, *layer.trainable_weights])]
     return ([np.asarray(o) for o in flat], grads[:len(floating)],
             grads[len(floating):])
 

@@ -1,8 +1,10 @@
 """Fused embedding lookup: one table per model."""
 
+import math
 import warnings
 
 import keras
+import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
@@ -42,12 +44,18 @@ class FusedEmbedding(FusedLayer):
     CPU kernel, zeros on GPU) and never reads another model's rows. Each
     table slice is initialised as a separate stock `Embedding` would be.
 
-    The gradient of `embeddings` is dense, `[B, input_dim, output_dim]`: per
-    model, the stock `IndexedSlices` gradient summed over repeated ids.
-    Stock optimizers apply a stock layer's `IndexedSlices` occurrence by
-    occurrence and only to the rows looked up, which equals the dense
-    update for plain SGD but not for Adam, RMSprop and other optimizers
-    with per-row state.
+    The gradient of `embeddings` is sparse, as the stock layer's is: a
+    `tf.IndexedSlices` of the table flattened to `[B * input_dim,
+    output_dim]`, one row per id looked up (`hftatf.sparse`). Fused
+    optimizers apply it as stock optimizers apply the stock layer's, each
+    element-wise operation occurrence by occurrence (Adam's squares of the
+    gradient, `clipnorm`'s norm), so that a batch that repeats an id
+    updates each model as it updates the stock model. With an
+    `embeddings_regularizer` the gradient is dense, as it is in the stock
+    layer. So it is in a subclass that sets `sparse_gradient = False`, as
+    one must that uses the table for more than the lookup (tied output
+    embeddings): TensorFlow cannot add the sparse gradient of the
+    flattened table to a dense one of the table.
 
     Args:
         num_models: the number of models `B` in the array.
@@ -62,6 +70,9 @@ class FusedEmbedding(FusedLayer):
             parity with `keras.layers.Embedding`; must be `None` (LoRA and
             quantization are not supported in arrays).
     """
+
+    # Whether the table's gradient is sparse (see above).
+    sparse_gradient = True
 
     def __init__(
         self,
@@ -142,8 +153,13 @@ class FusedEmbedding(FusedLayer):
             ops.arange(0, size, self.input_dim, dtype=ids.dtype),
             (1, self.num_models) + (1,) * (len(ids.shape) - 2))
         ids = ops.where(in_range, ids + offsets, size)
-        table = ops.reshape(self.embeddings, (size, self.output_dim))
-        outputs = ops.take(table, ids, axis=0)
+        if self.sparse_gradient and self.embeddings_regularizer is None:
+            outputs = _look_up(tf.convert_to_tensor(self.embeddings), ids)
+        else:
+            # The regularizer's gradient is dense, and so is the sum of
+            # the two, as in the stock layer.
+            table = ops.reshape(self.embeddings, (size, self.output_dim))
+            outputs = ops.take(table, ids, axis=0)
         return ops.cast(outputs, dtype=self.compute_dtype)
 
     def compute_mask(self, inputs, mask=None):
@@ -168,3 +184,27 @@ class FusedEmbedding(FusedLayer):
             "mask_zero": self.mask_zero,
         })
         return config
+
+
+def _look_up(embeddings, ids):
+    """`embeddings` (`[B, input_dim, output_dim]`) flattened to
+    `[B * input_dim, output_dim]`, at the flat `ids`. Its gradient is the
+    stock gather's, an `IndexedSlices` of the flattened table (one row per
+    id), where a gather on a reshape would give a dense one."""
+
+    @tf.custom_gradient
+    def look_up(embeddings):
+        rows = math.prod(embeddings.shape[:2])
+        table = tf.reshape(embeddings, (rows, embeddings.shape[2]))
+        outputs = tf.gather(table, ids)
+
+        def gradient(upstream):
+            values = tf.reshape(upstream, (-1, embeddings.shape[2]))
+            return tf.IndexedSlices(
+                values, tf.reshape(ids, (-1,)),
+                dense_shape=tf.constant((rows, embeddings.shape[2]),
+                                        "int64"))
+
+        return outputs, gradient
+
+    return look_up(embeddings)

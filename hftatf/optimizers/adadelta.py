@@ -2,6 +2,7 @@
 
 from keras import ops
 
+from hftatf import sparse
 from hftatf.api import hftatf_export
 from hftatf.optimizers.base import FusedOptimizer
 
@@ -35,6 +36,7 @@ class Adadelta(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
     complemented_hyperparameters = ("rho",)
 
     def __init__(self, learning_rate=0.001, rho=0.95, epsilon=1e-7,
@@ -56,6 +58,9 @@ class Adadelta(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
+        # A sparse gradient's occurrences are squared one by one, and so
+        # are their steps, as stock.
+        squared = self._summed(ops.square(gradient), variable)
         rho = self._hyper("rho", variable)
         one_minus_rho = self._complement("rho", variable)
         epsilon = self._hyper("epsilon", variable)
@@ -71,11 +76,19 @@ class Adadelta(FusedOptimizer):
             return ops.sqrt(x.value + epsilon)
 
         self.assign(accumulated_grad, ops.multiply(rho, accumulated_grad)
-                    + ops.multiply(one_minus_rho, ops.square(gradient)))
-        delta_var = ops.negative(ops.divide(
-            ops.multiply(rms(accumulated_delta_var), gradient),
-            rms(accumulated_grad)))
+                    + ops.multiply(one_minus_rho, squared))
+        if sparse.is_sparse(gradient):
+            delta_var = sparse.with_values(gradient, ops.negative(ops.divide(
+                ops.multiply(self._at_rows(rms(accumulated_delta_var),
+                                           gradient), gradient.values),
+                self._at_rows(rms(accumulated_grad), gradient))))
+        else:
+            delta_var = ops.negative(ops.divide(
+                ops.multiply(rms(accumulated_delta_var), gradient),
+                rms(accumulated_grad)))
+        squared_delta = self._summed(ops.square(delta_var), variable)
+        delta_var = self._summed(delta_var, variable)
         self.assign(accumulated_delta_var,
                     ops.multiply(rho, accumulated_delta_var)
-                    + ops.multiply(one_minus_rho, ops.square(delta_var)))
+                    + ops.multiply(one_minus_rho, squared_delta))
         self.assign_add(variable, ops.multiply(lr, delta_var))

@@ -1,8 +1,12 @@
 """Fused Adafactor."""
 
+import math
+
 from keras import ops
 
+from hftatf import sparse
 from hftatf.api import hftatf_export
+from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.lamb import check_required
 
@@ -51,6 +55,8 @@ class Adafactor(FusedOptimizer):
             (`weight_decay`, `clipnorm`, `clipvalue`, `global_clipnorm`,
             `use_ema`, ..., `name`, `num_models`).
     """
+
+    applies_sparse_gradients = True
 
     def __init__(self, learning_rate=0.001, beta_2_decay=-0.8,
                  epsilon_1=1e-30, epsilon_2=1e-3, clip_threshold=1.0,
@@ -116,7 +122,9 @@ class Adafactor(FusedOptimizer):
         alpha_t = ops.maximum(epsilon_2, model_rms(variable)) * rho_t
         # `+`, not ops.add: on TensorFlow, ops.add turns into bias_add (along
         # the last axis) whenever the shapes allow it, mixing models.
-        regulated_grad_square = ops.square(gradient) + epsilon_1
+        # A sparse gradient's occurrences are squared one by one, as stock.
+        regulated_grad_square = self._summed(ops.square(gradient),
+                                             variable) + epsilon_1
         beta_2_t = 1 - ops.power(local_step, beta_2_decay)
 
         if len(variable.shape) >= 3:
@@ -132,8 +140,18 @@ class Adafactor(FusedOptimizer):
             self.assign(v, beta_2_t * v
                         + (1 - beta_2_t) * regulated_grad_square)
 
-        u_t = gradient / ops.sqrt(v)
-        u_t_hat = u_t / ops.maximum(one, model_rms(u_t) / clip_threshold)
+        u_t = self._summed(gradient, variable) / ops.sqrt(v)
+        if sparse.is_sparse(gradient):
+            # The root mean square of the step's occurrences, as stock.
+            u_rows = gradient.values / self._at_rows(ops.sqrt(v), gradient)
+            mean_square = sparse.sum_per_model(
+                gradient, self.num_models, ops.square(u_rows)) / math.prod(
+                    variable.shape[1:])
+            u_rms = broadcast_to_models(ops.sqrt(mean_square),
+                                        len(variable.shape))
+        else:
+            u_rms = model_rms(u_t)
+        u_t_hat = u_t / ops.maximum(one, u_rms / clip_threshold)
         self.assign_sub(variable, alpha_t * u_t_hat)
 
     def get_config(self):

@@ -65,6 +65,8 @@ class Adagrad(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
+
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1,
                  epsilon=1e-7, **kwargs):
         super().__init__(
@@ -87,10 +89,13 @@ class Adagrad(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
+        # A sparse gradient's occurrences are squared one by one, as stock.
+        squared = self._summed(ops.square(gradient), variable)
+        gradient = self._summed(gradient, variable)
         epsilon = self._hyper("epsilon", variable)
         accumulator = self._accumulators[self._get_variable_index(variable)]
 
-        self.assign_add(accumulator, ops.square(gradient))
+        self.assign_add(accumulator, squared)
         # `+` on tensors (a slot's `.value`), not ops.add nor a Keras
         # variable's `+`, which calls it: on TensorFlow, ops.add turns into
         # bias_add (along the last axis) whenever the shapes allow it,

@@ -16,6 +16,9 @@ def adam_step(optimizer, gradient, variable, lr, m, v, betas, epsilon,
     one_minus_beta_1, one_minus_beta_2 = (
         optimizer._complement(name, variable) for name in betas)
     local_step = optimizer._local_step(variable)
+    # A sparse gradient's occurrences are squared one by one, as stock.
+    squared = optimizer._summed(ops.square(gradient), variable)
+    gradient = optimizer._summed(gradient, variable)
     beta_1_power = ops.power(beta_1, local_step)
     beta_2_power = ops.power(beta_2, local_step)
     alpha = lr * ops.sqrt(1 - beta_2_power) / (1 - beta_1_power)
@@ -23,8 +26,7 @@ def adam_step(optimizer, gradient, variable, lr, m, v, betas, epsilon,
     optimizer.assign_add(
         m, ops.multiply(ops.subtract(gradient, m), one_minus_beta_1))
     optimizer.assign_add(
-        v, ops.multiply(ops.subtract(ops.square(gradient), v),
-                        one_minus_beta_2))
+        v, ops.multiply(ops.subtract(squared, v), one_minus_beta_2))
     if v_hat is not None:
         optimizer.assign(v_hat, ops.maximum(v_hat, v))
         v = v_hat
@@ -55,6 +57,7 @@ class Adam(FusedOptimizer):
     """
 
     complemented_hyperparameters = ("beta_1", "beta_2")
+    applies_sparse_gradients = True
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, amsgrad=False, **kwargs):

@@ -34,6 +34,7 @@ class Adamax(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
     complemented_hyperparameters = ("beta_1",)
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
@@ -55,6 +56,9 @@ class Adamax(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
+        # A sparse gradient's occurrences are taken one by one, as stock.
+        absolute = self._summed(ops.abs(gradient), variable)
+        gradient = self._summed(gradient, variable)
         beta_1 = self._hyper("beta_1", variable)
         beta_2 = self._hyper("beta_2", variable)
         epsilon = self._hyper("epsilon", variable)
@@ -66,7 +70,7 @@ class Adamax(FusedOptimizer):
 
         self.assign_add(m, ops.multiply(ops.subtract(gradient, m),
                                         self._complement("beta_1", variable)))
-        u_t = ops.maximum(ops.multiply(beta_2, u), ops.abs(gradient))
+        u_t = ops.maximum(ops.multiply(beta_2, u), absolute)
         self.assign(u, u_t)
         # `+` on tensors, not ops.add nor a Keras variable's `+`, which
         # calls it: on TensorFlow, ops.add turns into bias_add (along the

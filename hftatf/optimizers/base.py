@@ -28,6 +28,7 @@ import tensorflow as tf
 from keras import ops
 from tensorflow.python.ops import control_flow_util
 
+from hftatf import sparse
 from hftatf.layers.base import broadcast_to_models
 from hftatf.validation import check_num_models
 
@@ -74,12 +75,25 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     as a stock optimizer reads its `iterations`. The two agree unless steps
     were applied to some models only.
 
+    Sparse gradients (an embedding table's, `hftatf.sparse`) are applied
+    as stock optimizers apply them: clipping takes norms and values over
+    the occurrences of the rows looked up. An optimizer whose stock
+    counterpart applies an element-wise operation to the occurrences
+    (Adam's square of the gradient) sets `applies_sparse_gradients` and
+    keeps them sparse through that operation (`_summed`, `_at_rows`); for
+    the others each gradient is made dense (occurrences of a row summed)
+    before `update_step`, which equals the stock sparse update.
+
     Partial steps: `apply(grads, model_mask=mask)` (and `apply_gradients`)
     with a `[B]` boolean `mask` updates only the models where `mask` is
     True. Subclasses get this for free as long as they update every
     variable through `self.assign`, `self.assign_add` and `self.assign_sub`,
     as stock optimizers do.
     """
+
+    # Whether `update_step` takes sparse gradients (see above); those of
+    # the other optimizers are made dense before it.
+    applies_sparse_gradients = False
 
     # Whether `apply` itself skips, per model, the steps whose gradients are
     # not finite (as loss scaling does); FusedModel reads it.
@@ -486,6 +500,21 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     def _clip_by_model_norm(self, gradient):
         # tf.clip_by_norm's formula, over each model's slice.
         clipnorm = self._hyper("clipnorm", gradient)
+        if sparse.is_sparse(gradient):
+            # ... over each model's occurrences, as tf.clip_by_norm over
+            # an IndexedSlices' values.
+            values = gradient.values
+            l2sum = self._at_rows(broadcast_to_models(
+                sparse.sum_per_model(gradient, self.num_models,
+                                     ops.square(values)), 2), gradient)
+            clipnorm = self._at_rows(clipnorm, gradient)
+            positive = l2sum > 0
+            l2sum_safe = ops.where(positive, l2sum, ops.ones_like(l2sum))
+            l2norm = ops.where(positive, ops.sqrt(l2sum_safe), l2sum)
+            clipped = ops.divide(ops.multiply(values, clipnorm),
+                                 ops.maximum(l2norm, clipnorm))
+            return sparse.with_values(
+                gradient, ops.where(clipnorm > 0, clipped, values))
         axes = tuple(range(1, len(gradient.shape)))
         l2sum = ops.sum(ops.square(gradient), axis=axes, keepdims=True)
         positive = l2sum > 0
@@ -497,21 +526,56 @@ class FusedOptimizer(keras.optimizers.Optimizer):
 
     def _clip_by_model_global_norm(self, grads):
         # keras.optimizers' clip_by_global_norm, over each model's gradients.
-        squares = [ops.sum(ops.square(g), axis=tuple(range(1, len(g.shape))))
-                   for g in grads if g is not None]
+        squares = [
+            sparse.sum_per_model(g, self.num_models, ops.square(g.values))
+            if sparse.is_sparse(g)
+            else ops.sum(ops.square(g), axis=tuple(range(1, len(g.shape))))
+            for g in grads if g is not None]
         norms = ops.sqrt(ops.sum(ops.stack(squares), axis=0))
         clipnorm = ops.cast(self._hyper_variables["global_clipnorm"],
                             norms.dtype)
         scale = clipnorm * ops.minimum(1.0 / norms, 1.0 / clipnorm)
         # Non-finite norms give NaN scales, as in Keras.
         scale = ops.where(clipnorm > 0, scale + (norms - norms), 1.0)
-        return [None if g is None else g * self._per_model(scale, g)
+        return [None if g is None else self._scaled(g, scale, clipnorm > 0)
                 for g in grads]
+
+    def _scaled(self, gradient, scale, clipped):
+        """`gradient`, model `b`'s part times `scale[b]`. The stock product
+        of a sparse gradient and the scale is dense: a sparse gradient's
+        occurrences of a row are summed for the `clipped` models (`[B]`
+        booleans), which then take the dense update."""
+        if not sparse.is_sparse(gradient):
+            return gradient * self._per_model(scale, gradient)
+        gradient = sparse.merged(gradient, clipped, self.num_models)
+        return sparse.with_values(gradient, gradient.values * self._at_rows(
+            self._per_model(scale, gradient), gradient))
 
     def _clip_by_model_value(self, gradient):
         value = self._hyper("clipvalue", gradient)
+        if sparse.is_sparse(gradient):
+            # Occurrence by occurrence, as tf.clip_by_value.
+            value = self._at_rows(value, gradient)
+            values = gradient.values
+            clipped = ops.maximum(ops.minimum(values, value), -value)
+            return sparse.with_values(
+                gradient, ops.where(value > 0, clipped, values))
         clipped = ops.maximum(ops.minimum(gradient, value), -value)
         return ops.where(value > 0, clipped, gradient)
+
+    # -- sparse gradients ---------------------------------------------------
+
+    def _summed(self, value, variable):
+        """A sparse `value` (a gradient, or an element-wise function of
+        one) as a dense tensor of `variable`'s shape, each row's
+        occurrences summed; a dense one unchanged."""
+        return sparse.dense(value, variable.shape)
+
+    def _at_rows(self, tensor, gradient):
+        """The rows of `tensor` (`[B, ...]` like the variable, or a
+        `[B, 1, ..., 1]` per-model value) at each occurrence of the sparse
+        `gradient`, to combine with its values."""
+        return sparse.at_rows(tensor, gradient, self.num_models)
 
     def _apply_weight_decay(self, variables):
         if self.weight_decay is None:
@@ -662,6 +726,15 @@ class FusedOptimizer(keras.optimizers.Optimizer):
 
     def _update(self, grads, trainable_variables):
         grads = self._clip_gradients(grads)
+        if any(sparse.is_sparse(g) for g in grads):
+            if not self.applies_sparse_gradients:
+                grads = [None if g is None else self._summed(g, v)
+                         for g, v in zip(grads, trainable_variables)]
+            # All in the graph of the step being built, where some are
+            # made: gradients of two graphs (a branch of a cond and the one
+            # around it) cannot be summed over replicas together.
+            grads = [None if g is None else sparse.identity(g)
+                     for g in grads]
         self._apply_weight_decay(trainable_variables)
         self._backend_update_step(grads, trainable_variables,
                                   self.learning_rate)
@@ -672,6 +745,10 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         -th of its own steps, and accumulates on the others."""
         steps = self.gradient_accumulation_steps
         due = ops.equal(ops.mod(self._model_iterations + 1, steps), 0)
+        # Accumulated gradients are dense (as stock, which adds a sparse
+        # gradient to its accumulator and to the accumulated sum).
+        grads = [None if g is None else self._summed(g, v)
+                 for g, v in zip(grads, trainable_variables)]
         accumulators = [
             self._accumulated_gradients[self._get_variable_index(v)]
             for v in trainable_variables]
@@ -749,26 +826,31 @@ class FusedOptimizer(keras.optimizers.Optimizer):
 
     def assign(self, variable, value):
         mask = self._model_mask
+        if sparse.is_sparse(value) and (
+                mask is not None
+                or sparse.rows_per_model(value, variable.shape) > 1):
+            # The rows given replace the variable's; the others stay.
+            old = _read(variable)
+            value = ops.reshape(tf.tensor_scatter_nd_update(
+                ops.reshape(old, tuple(value.shape)),
+                ops.expand_dims(value.indices, -1),
+                ops.cast(value.values, old.dtype)), old.shape)
         if mask is None:
             return super().assign(variable, value)
-        if isinstance(value, tf.IndexedSlices):
-            value = tf.tensor_scatter_nd_update(
-                _read(variable), ops.expand_dims(value.indices, -1),
-                value.values)
         return super().assign(variable,
                               self._select(mask, variable, value))
 
     def assign_add(self, variable, value):
         mask = self._model_mask
         if mask is None:
-            return super().assign_add(variable, value)
+            return super().assign_add(variable, _rows_of(value, variable))
         return super().assign(variable, self._select(
             mask, variable, _read(variable) + _dense(value, variable)))
 
     def assign_sub(self, variable, value):
         mask = self._model_mask
         if mask is None:
-            return super().assign_sub(variable, value)
+            return super().assign_sub(variable, _rows_of(value, variable))
         return super().assign(variable, self._select(
             mask, variable, _read(variable) - _dense(value, variable)))
 
@@ -895,9 +977,16 @@ def _read(variable):
 
 
 def _dense(value, variable):
-    if isinstance(value, tf.IndexedSlices):
-        value = tf.convert_to_tensor(value)
-    return ops.cast(value, variable.dtype)
+    return ops.cast(sparse.dense(value, variable.shape), variable.dtype)
+
+
+def _rows_of(value, variable):
+    """`value` as TensorFlow's variables add it: a sparse value of rows of
+    the model axis as it is (scattered), one of finer rows made dense."""
+    if sparse.is_sparse(value) and sparse.rows_per_model(
+            value, variable.shape) > 1:
+        return sparse.dense(value, variable.shape)
+    return value
 
 
 def _as_vector(rate):

@@ -40,6 +40,8 @@ class Ftrl(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
+
     def __init__(self, learning_rate=0.001, learning_rate_power=-0.5,
                  initial_accumulator_value=0.1,
                  l1_regularization_strength=0.0,
@@ -79,6 +81,9 @@ class Ftrl(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
+        # A sparse gradient's occurrences are squared one by one, as stock.
+        squared = self._summed(ops.square(gradient), variable)
+        gradient = self._summed(gradient, variable)
         index = self._get_variable_index(variable)
         accum = self._accumulators[index]
         linear = self._linears[index]
@@ -94,7 +99,7 @@ class Ftrl(FusedOptimizer):
         # last axis) whenever the shapes allow it, mixing models.
         l2_reg = l2_reg + beta / (2.0 * lr)
         grad_to_use = gradient + ops.multiply(2 * l2_shrinkage, variable)
-        new_accum = accum + ops.square(gradient)
+        new_accum = accum + squared
         self.assign_add(
             linear,
             ops.subtract(

@@ -59,6 +59,7 @@ class Lamb(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
     complemented_hyperparameters = ("beta_1", "beta_2")
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
@@ -81,6 +82,9 @@ class Lamb(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
+        # A sparse gradient's occurrences are squared one by one, as stock.
+        squared = self._summed(ops.square(gradient), variable)
+        gradient = self._summed(gradient, variable)
         beta_1 = self._hyper("beta_1", variable)
         beta_2 = self._hyper("beta_2", variable)
         epsilon = self._hyper("epsilon", variable)
@@ -95,7 +99,7 @@ class Lamb(FusedOptimizer):
         self.assign_add(m, ops.multiply(ops.subtract(gradient, m),
                                         self._complement("beta_1", variable)))
         self.assign_add(
-            v, ops.multiply(ops.subtract(ops.square(gradient), v),
+            v, ops.multiply(ops.subtract(squared, v),
                             self._complement("beta_2", variable)))
         m_t_hat = ops.divide(m, 1.0 - beta_1_power)
         # `+`, not ops.add: on TensorFlow, ops.add turns into bias_add (along

@@ -5,6 +5,7 @@ import tensorflow as tf
 from keras import ops
 from keras.src.utils import tracking
 
+from hftatf import sparse
 from hftatf.api import hftatf_export
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
@@ -155,7 +156,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
     def check_finite(self, grads):
         """`[B]` booleans: whether all of model `b`'s gradient slices are
         finite, on every replica."""
-        finite = [_finite_per_model(g) for g in grads if g is not None]
+        finite = [_finite_per_model(g, self.num_models)
+                  for g in grads if g is not None]
         finite = ops.all(ops.stack(finite), axis=0)
         context = tf.distribute.get_replica_context()
         if context is not None and context.num_replicas_in_sync > 1:
@@ -184,12 +186,21 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
             finite, model_mask)
         unscaled = [
             g if g is None or self._overwrite_variable_with_gradient(v)
-            else ops.divide(g, broadcast_to_models(self.dynamic_scale,
-                                                   len(g.shape)))
-            for g, v in zip(grads, variables)]
+            else self._unscaled(g) for g, v in zip(grads, variables)]
         self.inner_optimizer.apply(unscaled, trainable_variables,
                                    model_mask=applied)
         self._update_scales(finite, model_mask)
+
+    def _unscaled(self, gradient):
+        """`gradient` divided by each model's scale."""
+        if sparse.is_sparse(gradient):
+            scale = sparse.at_rows(broadcast_to_models(
+                self.dynamic_scale, len(gradient.values.shape)), gradient,
+                self.num_models)
+            return sparse.with_values(gradient,
+                                      ops.divide(gradient.values, scale))
+        return ops.divide(gradient, broadcast_to_models(
+            self.dynamic_scale, len(gradient.shape)))
 
     def _update_scales(self, finite, model_mask):
         """The stock update of the scale and growth counter, per model."""
@@ -214,10 +225,15 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
             "which hftatf uses; call `apply`.")
 
 
-def _finite_per_model(gradient):
+def _finite_per_model(gradient, num_models):
     """`[B]`: whether each model's slice of `gradient` is all finite."""
-    if isinstance(gradient, tf.IndexedSlices):
-        gradient = tf.convert_to_tensor(gradient)
+    if sparse.is_sparse(gradient):
+        values = gradient.values
+        finite = ops.all(ops.isfinite(
+            ops.reshape(values, (ops.shape(values)[0], -1))), axis=1)
+        return tf.math.unsorted_segment_min(
+            ops.cast(finite, "int32"),
+            sparse.model_ids(gradient, num_models), num_models) > 0
     finite = ops.isfinite(gradient)
     if len(finite.shape) > 1:
         finite = ops.all(finite, axis=tuple(range(1, len(finite.shape))))

@@ -50,6 +50,8 @@ class Muon(FusedOptimizer):
             `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
+
     # The stock Newton-Schulz iteration works on the last two axes of a
     # batch of matrices: each model's on its own.
     transpose_last_axis = keras.optimizers.Muon.transpose_last_axis
@@ -125,6 +127,8 @@ class Muon(FusedOptimizer):
                       ("adam_beta_1", "adam_beta_2"),
                       self._hyper("epsilon", variable))
             return
+        # (Only the AdamW steps take a sparse gradient as it is.)
+        gradient = self._summed(gradient, variable)
         momentum = self._hyper("momentum", variable)
         self.assign_add(m, gradient + m * (momentum - 1))
         g = gradient + momentum * m if self.nesterov else m

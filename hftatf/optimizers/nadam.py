@@ -32,6 +32,8 @@ class Nadam(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
+
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, **kwargs):
         super().__init__(
@@ -69,6 +71,9 @@ class Nadam(FusedOptimizer):
         dtype = variable.dtype
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, dtype)
+        # A sparse gradient's occurrences are squared one by one, as stock.
+        squared = self._summed(ops.square(gradient), variable)
+        gradient = self._summed(gradient, variable)
         beta_1 = self._hyper("beta_1", variable)
         beta_2 = self._hyper("beta_2", variable)
         epsilon = self._hyper("epsilon", variable)
@@ -88,7 +93,7 @@ class Nadam(FusedOptimizer):
 
         self.assign_add(m, ops.multiply(ops.subtract(gradient, m), 1 - beta_1))
         self.assign_add(
-            v, ops.multiply(ops.subtract(ops.square(gradient), v), 1 - beta_2))
+            v, ops.multiply(ops.subtract(squared, v), 1 - beta_2))
         m_hat = (ops.divide(ops.multiply(u_t_1, m), 1 - u_product_t_1)
                  + ops.divide(ops.multiply(1 - u_t, gradient),
                               1 - u_product_t))

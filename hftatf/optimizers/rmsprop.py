@@ -44,6 +44,7 @@ class RMSprop(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
     complemented_hyperparameters = ("rho",)
 
     def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0,
@@ -84,6 +85,9 @@ class RMSprop(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
+        # A sparse gradient's occurrences are squared one by one, as stock.
+        squared = self._summed(ops.square(gradient), variable)
+        gradient = self._summed(gradient, variable)
         rho = self._hyper("rho", variable)
         epsilon = self._hyper("epsilon", variable)
         index = self._get_variable_index(variable)
@@ -95,7 +99,7 @@ class RMSprop(FusedOptimizer):
         # mixing models.
         one_minus_rho = self._complement("rho", variable)
         self.assign(velocity, ops.multiply(rho, velocity)
-                    + ops.multiply(one_minus_rho, ops.square(gradient)))
+                    + ops.multiply(one_minus_rho, squared))
         if self.centered:
             average_grad = self._average_gradients[index]
             self.assign(average_grad, ops.multiply(rho, average_grad)

@@ -50,6 +50,8 @@ class ScheduleFreeAdamW(FusedOptimizer):
             `use_ema`, ..., `name`, `num_models`).
     """
 
+    applies_sparse_gradients = True
+
     def __init__(self, learning_rate=0.0025, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-8, warmup_steps=0, **kwargs):
         super().__init__(
@@ -79,6 +81,9 @@ class ScheduleFreeAdamW(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
+        # A sparse gradient's occurrences are squared one by one, as stock.
+        squared = self._summed(ops.square(gradient), variable)
+        gradient = self._summed(gradient, variable)
         local_step = self._local_step(variable)
         beta_1 = self._hyper("beta_1", variable)
         beta_2 = self._hyper("beta_2", variable)
@@ -92,7 +97,7 @@ class ScheduleFreeAdamW(FusedOptimizer):
 
         bias_correction_2 = 1 - ops.power(beta_2, local_step)
         self.assign_add(velocity, ops.multiply(
-            ops.subtract(ops.square(gradient), velocity), 1 - beta_2))
+            ops.subtract(squared, velocity), 1 - beta_2))
         # `+`, not ops.add, where a per-model value meets a variable (see
         # Adam).
         denominator = ops.sqrt(velocity / bias_correction_2) + epsilon

@@ -1,0 +1,114 @@
+"""Sparse gradients of `[B, ...]` weights: rows grouped by model.
+
+The gradient of an embedding table is sparse: only the rows looked up get
+one, once per occurrence of their id in the batch. Stock Keras keeps it a
+`tf.IndexedSlices` of the `[input_dim, output_dim]` table, and a stock
+optimizer applies its element-wise operations to each occurrence before
+occurrences of the same row are summed: Adam's second moment of a row takes
+`sum(g_i ** 2)` over its occurrences, not `(sum(g_i)) ** 2`; `clipnorm`
+takes the norm of the occurrences.
+
+A fused table `[B, input_dim, output_dim]` has the same gradient, model by
+model, as one `tf.IndexedSlices` of the table flattened to
+`[B * input_dim, output_dim]`: model `b`'s rows are
+`b * input_dim ... (b + 1) * input_dim - 1`. In general an `IndexedSlices`
+gradient of a `[B, ...]` weight has `dense_shape[0] = B * R` rows, `R` of
+them per model (`R = 1`: rows of the model axis itself, as `tf.gather` on
+the weight gives). The functions here read one such gradient per model;
+`dense(gradient, variable.shape)` makes it dense (`tf.convert_to_tensor`
+gives the flattened `[B * R, ...]`).
+"""
+
+import math
+
+import tensorflow as tf
+from keras import ops
+
+
+def is_sparse(gradient):
+    return isinstance(gradient, tf.IndexedSlices)
+
+
+def rows_per_model(gradient, shape):
+    """`R`, for a gradient of a weight of static `shape` `[B, ...]`: the
+    product of the dimensions its rows stand for (`shape[1:k]`, where the
+    values are `[n, *shape[k:]]`)."""
+    k = len(shape) - len(gradient.values.shape) + 1
+    return math.prod(shape[1:k])
+
+
+def model_ids(gradient, num_models):
+    """`[n]`: the model each row of `gradient` belongs to."""
+    indices = gradient.indices
+    rows = ops.cast(gradient.dense_shape[0], indices.dtype) // num_models
+    return indices // rows
+
+
+def dense(gradient, shape):
+    """`gradient` as a dense tensor of `shape` (occurrences of a row
+    summed), or unchanged where it is dense already."""
+    if not is_sparse(gradient):
+        return gradient
+    return ops.reshape(tf.convert_to_tensor(gradient), shape)
+
+
+def identity(gradient):
+    """`tf.identity` of a dense or sparse gradient (of each of its
+    parts)."""
+    if not is_sparse(gradient):
+        return tf.identity(gradient)
+    return tf.IndexedSlices(tf.identity(gradient.values),
+                            tf.identity(gradient.indices),
+                            tf.identity(gradient.dense_shape))
+
+
+def with_values(gradient, values):
+    return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+
+
+def at_rows(tensor, gradient, num_models):
+    """`[n, ...]`: the rows of `tensor` (a `[B, ...]` tensor of the
+    weight's shape, or a `[B, 1, ..., 1]` per-model value) at each
+    occurrence of `gradient`, to combine with its values element-wise."""
+    values = gradient.values
+    if all(d == 1 for d in tensor.shape[1:]):
+        per_model = ops.reshape(tensor, (num_models,)
+                                + (1,) * (len(values.shape) - 1))
+        return ops.take(per_model, model_ids(gradient, num_models), axis=0)
+    rows = ops.reshape(tensor, (-1,) + tuple(values.shape[1:]))
+    return ops.take(rows, gradient.indices, axis=0)
+
+
+def merged(gradient, models, num_models):
+    """`gradient` with the occurrences of each row of the models where the
+    `[B]` boolean `models` holds summed into one (the others' as they
+    are): what a stock optimizer applies after an operation that makes its
+    gradient dense."""
+    indices = gradient.indices
+    keys = ops.where(ops.take(models, model_ids(gradient, num_models)),
+                     ops.cast(indices, "int64"),
+                     ops.cast(gradient.dense_shape[0], "int64")
+                     + ops.arange(ops.shape(indices)[0], dtype="int64"))
+    keys, segments = tf.unique(keys)
+    count = ops.shape(keys)[0]
+    return tf.IndexedSlices(
+        tf.math.unsorted_segment_sum(gradient.values, segments, count),
+        tf.math.unsorted_segment_max(indices, segments, count),
+        gradient.dense_shape)
+
+
+def sum_per_model(gradient, num_models, values=None):
+    """`[B]`: the sum of each model's values of `gradient` (or of `values`,
+    one per occurrence, `[n, ...]`)."""
+    values = gradient.values if values is None else values
+    per_row = ops.sum(ops.reshape(values, (ops.shape(values)[0], -1)),
+                      axis=1)
+    return tf.math.unsorted_segment_sum(
+        per_row, model_ids(gradient, num_models), num_models)
+
+
+def offset(gradient, start, count):
+    """A gradient of models `start:start + count`, as rows of the whole
+    array's weight: its indices moved by `start` models."""
+    rows = ops.cast(gradient.dense_shape[0], gradient.indices.dtype) // count
+    return gradient.indices + ops.cast(start, gradient.indices.dtype) * rows
