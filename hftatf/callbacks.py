@@ -757,10 +757,13 @@ class TensorBoard(keras.callbacks.Callback):
             Defaults to `("learning_rate",)`.
         update_freq: `"epoch"`, the only frequency supported: per-model
             values are epoch results.
+        run_names: the run of each model, a directory under `log_dir`
+            (one name per model; None for a model not to write); defaults
+            to `model_{b}`.
     """
 
     def __init__(self, log_dir="logs", hyperparameters=("learning_rate",),
-                 update_freq="epoch"):
+                 update_freq="epoch", run_names=None):
         super().__init__()
         if update_freq != "epoch":
             raise ValueError(
@@ -770,17 +773,30 @@ class TensorBoard(keras.callbacks.Callback):
         self.log_dir = os.fspath(log_dir)
         self.hyperparameters = _check_hyperparameter_names(hyperparameters)
         self.update_freq = update_freq
+        self.run_names = (None if run_names is None else [
+            None if name is None else os.fspath(name) for name in run_names])
         self._writers = []
 
     def run_dir(self, index):
-        """The run directory of model `index`."""
-        return os.path.join(self.log_dir, f"model_{index}")
+        """The run directory of model `index` (None if it writes none)."""
+        if self.run_names is None:
+            return os.path.join(self.log_dir, f"model_{index}")
+        name = self.run_names[index]
+        return None if name is None else os.path.join(self.log_dir, name)
 
     def on_train_begin(self, logs=None):
         array = _check_array(self, self.model)
+        if self.run_names is not None and (
+                len(self.run_names) != array.num_models):
+            raise ValueError(
+                f"TensorBoard was given {len(self.run_names)} run names for "
+                f"an array of {array.num_models} models; give one per "
+                "model.")
         self._close()
-        self._writers = [tf.summary.create_file_writer(self.run_dir(b))
-                         for b in range(array.num_models)]
+        self._writers = [
+            None if self.run_dir(b) is None
+            else tf.summary.create_file_writer(self.run_dir(b))
+            for b in range(array.num_models)]
 
     def on_epoch_end(self, epoch, logs=None):
         if not self._writers:
@@ -790,6 +806,8 @@ class TensorBoard(keras.callbacks.Callback):
             self.model.optimizer,
             [n for n in self.hyperparameters if n not in per_model])
         for b, writer in enumerate(self._writers):
+            if writer is None:
+                continue
             with writer.as_default():
                 for name, values in {**per_model, **hypers}.items():
                     value = np.asarray(values[b])
@@ -804,7 +822,8 @@ class TensorBoard(keras.callbacks.Callback):
 
     def _close(self):
         for writer in self._writers:
-            writer.close()
+            if writer is not None:
+                writer.close()
         self._writers = []
 
 

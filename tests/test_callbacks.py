@@ -131,11 +131,16 @@ def test_callbacks_refuse_a_plain_keras_model():
      "hftatf.callbacks.ReduceLROnPlateau"),
     (lambda: keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),
      "hftatf.callbacks.LearningRateScheduler"),
+    (lambda: keras.callbacks.TensorBoard("unused"),
+     "hftatf.callbacks.TensorBoard"),
+    (lambda: type("Mine", (keras.callbacks.ReduceLROnPlateau,), {})(),
+     "hftatf.callbacks.ReduceLROnPlateau"),
 ])
-def test_fit_refuses_stock_callbacks_that_set_one_learning_rate(
+def test_fit_refuses_stock_callbacks_that_read_one_learning_rate(
         stock, alternative):
     # They read the `[B]` rates as one float: without the check, fit fails
-    # at the end of its first epoch with a numpy conversion error.
+    # at the end of its first epoch with a numpy conversion error (a
+    # subclass too).
     array = make_array()
     x, y = data()
     before = array.get_weights()

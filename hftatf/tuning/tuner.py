@@ -12,6 +12,7 @@ keras-tuner's distributed mode all behave as with stock keras-tuner.
 
 import collections
 import dataclasses
+import os
 import sys
 import time
 import traceback
@@ -457,7 +458,10 @@ class FusedTuner(keras_tuner.Tuner):
         array = self._array_for(group)
         kwargs = dict(fit_kwargs)
         kwargs.update(group[0].fit)
-        callbacks = [_for_array(c) for c in self._deepcopy_callbacks(
+        runs = [os.path.join(str(m.trial.trial_id), f"execution{m.execution}")
+                for m in group]
+        runs += [None] * (array.num_models - len(group))  # padding copies
+        callbacks = [_for_array(c, runs) for c in self._deepcopy_callbacks(
             kwargs.pop("callbacks", None) or [])]
         recorder = _TrialRecorder(self, group)
         array.fit(*fit_args, callbacks=[*callbacks, recorder], **kwargs)
@@ -617,9 +621,13 @@ class _TrialRecorder(keras.callbacks.Callback):
         return histories
 
 
-def _for_array(callback):
+def _for_array(callback, runs):
     """`callback`, or its per-model form where a stock callback would judge
-    the array's mean instead of each model."""
+    the array's mean instead of each model (or read one learning rate).
+    `runs` names each model's TensorBoard run as keras-tuner names a
+    trial's."""
+    if type(callback) is keras.callbacks.TensorBoard:
+        return fused_callbacks.TensorBoard(callback.log_dir, run_names=runs)
     if type(callback) is keras.callbacks.EarlyStopping:
         return fused_callbacks.EarlyStopping(
             monitor=callback.monitor, min_delta=callback.min_delta,

@@ -5,6 +5,7 @@ import keras
 import keras_tuner
 import numpy as np
 import pytest
+import tensorflow as tf
 from testing import assert_close
 
 import hftatf
@@ -435,6 +436,26 @@ def test_a_diverged_model_continues_from_its_saved_best_epoch(tmp_path):
     assert tuner._trained_model("a", 0) == (array, 0)
     # Frozen where it diverged: the saved weights of its best epoch go on.
     assert tuner._trained_model("b", 0) is None
+
+
+def test_stock_tensorboard_writes_a_run_per_trial(tmp_path):
+    # As keras-tuner lays them out: log_dir/<trial_id>/execution<k>.
+    tuner = tuning.FusedRandomSearch(
+        build, objective="val_loss", max_trials=2, seed=3,
+        directory=str(tmp_path), project_name="tb", num_models=2)
+    tuner.search(X[:32], Y[:32], epochs=2, verbose=0,
+                 validation_data=(X_VAL[:16], Y_VAL[:16]),
+                 callbacks=[keras.callbacks.TensorBoard(
+                     str(tmp_path / "logs"))])
+    for trial in trials(tuner):
+        assert trial.status == "COMPLETED"
+        run = tmp_path / "logs" / trial.trial_id / "execution0"
+        events = list(run.glob("events.out.tfevents.*"))
+        assert events, run
+        tags = {value.tag for event in tf.compat.v1.train.summary_iterator(
+                    str(events[0])) for value in event.summary.value}
+        assert {"epoch_loss", "epoch_val_loss",
+                "epoch_learning_rate"} <= tags
 
 
 def test_stock_learning_rate_callbacks_act_on_each_trial(tmp_path):
