@@ -48,11 +48,14 @@ class Source:
         make: `make(batch_size, context)` -> `(train, validation)`, the
             batched (`batch_size` per replica) datasets of the input
             pipeline `context`, one pass each, validation possibly None.
+        validation_description: what the messages call the validation
+            set, where it has files of its own.
     """
 
     kind: str
     description: str
     make: object
+    validation_description: str = None
 
     def datasets(self, batch_size, context):
         """`(train, validation)` batches of input pipeline `context`."""
@@ -228,7 +231,9 @@ def _tfrecord_source(pattern, recipe, config):
             validation_set = _shard_batches(validation_set, context)
         return train_set, validation_set
 
-    return Source("tfrecord", f"TFRecord files {pattern}", make)
+    return Source("tfrecord", f"TFRecord files {pattern}", make,
+                  None if validation_files is None
+                  else f"TFRecord files {config.validation_dataset}")
 
 
 def _shard_files(files, context):
@@ -347,6 +352,22 @@ class Inputs:
     element_spec: object = None
 
 
+def _shapes_read(dataset):
+    """`dataset`'s element spec, with the sizes of its first element where
+    the spec leaves them unknown (images decoded without resizing), so
+    that a model that cannot take them is refused before training."""
+    spec = dataset.element_spec
+    specs = tf.nest.flatten(spec)
+    if all(not isinstance(s, tf.TensorSpec) or s.shape[1:].is_fully_defined()
+           for s in specs):
+        return spec
+    first = tf.nest.flatten(next(iter(dataset.take(1))))
+    return tf.nest.pack_sequence_as(spec, [
+        tf.TensorSpec((None, *t.shape[1:]), s.dtype, s.name)
+        if isinstance(s, tf.TensorSpec) else s
+        for s, t in zip(specs, first)])
+
+
 def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
                        eval_steps=None, steps_per_execution=1,
                        initial_epoch=0, static_shapes=False):
@@ -386,14 +407,19 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
             validation = validation.rebatch(batch, drop_remainder=True)
         return train, validation
 
+    validation_description = (source.validation_description
+                              or source.description)
+
     def whole_steps(datasets, what):
         """Whole steps (of `steps_per_execution`) in the smallest shard."""
         smallest = min(count_batches(dataset) for dataset in datasets)
         whole = smallest // local
         whole -= whole % steps_per_execution
         if whole == 0:
+            described = (source.description if what == "training"
+                         else validation_description)
             message = (
-                f"The {what} set ({source.description}) has {smallest} "
+                f"The {what} set ({described}) has {smallest} "
                 f"batches of {batch} per input pipeline: not one step of "
                 f"{steps_per_execution} x {local} replica batches.")
             if what == "training":
@@ -426,7 +452,7 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
         if smallest < eval_steps * local:
             raise ConfigError(
                 f"--eval_steps={eval_steps}, but the validation set "
-                f"({source.description}) has {smallest // local} steps of "
+                f"({validation_description}) has {smallest // local} steps of "
                 f"{local} x {batch} examples per input pipeline. Lower "
                 "--eval_steps, or leave it out to validate on one pass.")
 
@@ -443,7 +469,7 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
     else:
         validation_steps = whole_steps(
             [validation for _, validation in passes], "validation")
-    element_spec = passes[0][0].element_spec
+    element_spec = _shapes_read(passes[0][0])
     del passes
     skip = initial_epoch * steps_per_epoch * local
 
@@ -474,8 +500,12 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
                 lambda _: stream(context))).prefetch(tf.data.AUTOTUNE)
 
     def validation_fn(context):
+        # Repeated: Keras keeps one iterator of a distributed dataset for
+        # the whole run and reads `validation_steps` steps of it every
+        # epoch (the second epoch's validation ran out: StopIteration);
+        # each epoch reads the same steps.
         _, dataset = one_pass(context)
-        return dataset.take(validation_steps * local).prefetch(
+        return dataset.take(validation_steps * local).repeat().prefetch(
             tf.data.AUTOTUNE)
 
     train = strategy.distribute_datasets_from_function(train_fn)
