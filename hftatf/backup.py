@@ -3,10 +3,13 @@
 TPU VMs and shared GPU queues kill jobs without warning. With
 `BackupAndRestore` in its callbacks, rerunning the same `fit` after a kill
 resumes from the last completed epoch with every model's weights, optimizer
-state (slots, step counts, per-model hyper-parameters) and frozen or
-diverged status, so the run ends as an uninterrupted one would (given a
-deterministic input pipeline and `tf.config.experimental.
-enable_op_determinism()`).
+state (slots, step counts, per-model hyper-parameters), frozen or
+diverged status, random generator states and the state of the fit's
+per-model callbacks (`hftatf.callbacks.EarlyStopping`'s patience and best
+weights, `ReduceLROnPlateau`'s, `ModelCheckpoint`'s best values), so the
+run ends as an uninterrupted one would (given a deterministic input
+pipeline and `tf.config.experimental.enable_op_determinism()`). Stock
+callbacks start afresh, as they do after a stock `BackupAndRestore`.
 """
 
 import hashlib
@@ -33,6 +36,12 @@ class BackupAndRestore(keras.callbacks.Callback):
     and carries a SHA-256 checksum of its weights: a truncated or corrupted
     backup is reported with a ValueError, never loaded.
 
+    `FusedModel.fit` runs backups after its other callbacks (whatever their
+    order in the list), so that a backup holds what they did at the end of
+    the epoch (a model early stopping froze), and gives each backup those
+    callbacks (`callbacks`): the state of those that name it
+    (`backup_state`, attribute names) is backed up and restored too.
+
     Args:
         backup_dir: where the backup lives (one per run).
         delete_checkpoint: whether to delete the backup when `fit` ends
@@ -45,6 +54,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError("`backup_dir` must be a directory path.")
         self.backup_dir = pathlib.Path(backup_dir)
         self.delete_checkpoint = delete_checkpoint
+        self.callbacks = []
+
+    def _stateful_callbacks(self):
+        return [c for c in self.callbacks if getattr(c, "backup_state", ())]
 
     @property
     def _metadata_path(self):
@@ -97,6 +110,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         for generator, state in zip(generators, states):
             generator.state.assign(np.asarray(
                 state, dtype=generator.state.dtype))
+        self._restore_callbacks(metadata)
         self.model._initial_epoch = metadata["epoch"]
         logging.info("Resumed array '%s' from %s at epoch %d.",
                      self.model.name, self.backup_dir, metadata["epoch"])
@@ -117,22 +131,73 @@ class BackupAndRestore(keras.callbacks.Callback):
                   for g in _seed_generators(self.model)]
         global_generator = global_state.get_global_attribute(
             seed_generator.GLOBAL_SEED_GENERATOR)
+        callbacks = self._save_callbacks(epoch)
         metadata.write_text(json.dumps(
             {"epoch": epoch + 1, "weights": name, "sha256": digest,
              "num_models": getattr(self.model, "num_models", None),
              "random_states": states,
              "global_random_state": None if global_generator is None
-             else np.asarray(global_generator.state).tolist()}))
+             else np.asarray(global_generator.state).tolist(),
+             "callbacks": callbacks}))
         os.replace(metadata, self._metadata_path)
-        for old in self.backup_dir.glob("epoch-*.weights.h5"):
-            if old.name != name:
+        kept = {name, (callbacks or {}).get("arrays")}
+        for old in self.backup_dir.glob("epoch-*"):
+            if old.name not in kept:
                 old.unlink(missing_ok=True)
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint and self.backup_dir.exists():
             self._metadata_path.unlink(missing_ok=True)
-            for path in self.backup_dir.glob("epoch-*.weights.h5"):
+            for path in self.backup_dir.glob("epoch-*"):
                 path.unlink(missing_ok=True)
+
+    # -- the state of the other callbacks ------------------------------------
+
+    def _save_callbacks(self, epoch):
+        """Writes the arrays of the stateful callbacks' states to a file of
+        their own; returns what the metadata holds of them (None if no
+        callback has state)."""
+        callbacks = self._stateful_callbacks()
+        if not callbacks:
+            return None
+        arrays = {}
+        states = [{"class": type(c).__name__,
+                   "state": _without_arrays(
+                       {a: getattr(c, a) for a in c.backup_state}, arrays)}
+                  for c in callbacks]
+        name = f"epoch-{epoch + 1}.callbacks.npz"
+        path = _temporary(self.backup_dir, ".npz")
+        with open(path, "wb") as file:
+            np.savez(file, **arrays)
+        digest = _sha256(path)
+        os.replace(path, self.backup_dir / name)
+        return {"states": states, "arrays": name, "sha256": digest}
+
+    def _restore_callbacks(self, metadata):
+        saved = metadata.get("callbacks")
+        callbacks = self._stateful_callbacks()
+        if not saved and not callbacks:
+            return
+        states = (saved or {}).get("states", [])
+        if [s["class"] for s in states] != [
+                type(c).__name__ for c in callbacks]:
+            logging.warning(
+                "The backup in %s holds the state of the callbacks %s; this "
+                "fit has %s, which start afresh.", self.backup_dir,
+                [s["class"] for s in states],
+                [type(c).__name__ for c in callbacks])
+            return
+        path = self.backup_dir / saved["arrays"]
+        if not path.exists() or _sha256(path) != saved["sha256"]:
+            raise ValueError(
+                f"The backup in {self.backup_dir} is corrupt: the state of "
+                f"its callbacks ({saved['arrays']}) is missing or does not "
+                "match its checksum. Delete the directory to start over.")
+        with np.load(path) as arrays:
+            for callback, state in zip(callbacks, states):
+                for attribute, value in _with_arrays(
+                        state["state"], arrays).items():
+                    setattr(callback, attribute, value)
 
 
 def read_metadata(backup_dir):
@@ -185,6 +250,34 @@ def _seed_generators(model):
             if all(generator is not g for g in generators):
                 generators.append(generator)
     return generators
+
+
+def _without_arrays(value, arrays):
+    """`value` (lists, tuples, dicts, numbers, strings, None and NumPy
+    arrays) for JSON: each array moved to `arrays`, named in its place."""
+    if isinstance(value, np.ndarray):
+        key = f"a{len(arrays)}"
+        arrays[key] = value
+        return {"array": key}
+    if isinstance(value, dict):
+        return {"dict": {k: _without_arrays(v, arrays)
+                         for k, v in value.items()}}
+    if isinstance(value, (list, tuple)):
+        return [_without_arrays(v, arrays) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _with_arrays(value, arrays):
+    """The inverse of `_without_arrays` (`arrays` the saved ones)."""
+    if isinstance(value, dict) and "array" in value:
+        return np.array(arrays[value["array"]])
+    if isinstance(value, dict):
+        return {k: _with_arrays(v, arrays) for k, v in value["dict"].items()}
+    if isinstance(value, list):
+        return [_with_arrays(v, arrays) for v in value]
+    return value
 
 
 def _temporary(directory, suffix):

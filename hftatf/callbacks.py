@@ -269,6 +269,10 @@ class EarlyStopping(PerModelMonitorCallback):
         self.best_weights = []
         self.wait = []
 
+    # What `hftatf.backup.BackupAndRestore` saves and restores.
+    backup_state = ("wait", "stopped_epoch", "best", "best_epoch",
+                    "best_weights", "_watched", "_restored")
+
     def on_train_begin(self, logs=None):
         array = self.array
         num_models = array.num_models
@@ -446,6 +450,9 @@ class ReduceLROnPlateau(PerModelMonitorCallback):
         self.best = []
         self.wait = []
         self.cooldown_counter = []
+
+    # What `hftatf.backup.BackupAndRestore` saves and restores.
+    backup_state = ("best", "wait", "cooldown_counter")
 
     def on_train_begin(self, logs=None):
         num_models = self.array.num_models
@@ -894,6 +901,9 @@ class ModelCheckpoint(PerModelMonitorCallback):
                 f"format). Received: filepath={self.filepath}")
         self.best = []
         self._stock = None
+
+    # What `hftatf.backup.BackupAndRestore` saves and restores.
+    backup_state = ("best",)
 
     def on_train_begin(self, logs=None):
         array = self.array

@@ -23,8 +23,8 @@ from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
 from keras.src.trainers.trainer import model_supports_jit
 from keras.src.utils import tracking
 
+from hftatf import backup, passes, seeds, sparse
 from hftatf import optimizers as fused_optimizers
-from hftatf import passes, seeds, sparse
 from hftatf.api import hftatf_export
 from hftatf.layers import convolutional, objects, per_model
 from hftatf.layers.base import (
@@ -167,6 +167,20 @@ def _check_callbacks(callbacks):
                     f"keras.callbacks.{stock.__name__} reads one learning "
                     "rate; an array's optimizer holds one per model. Use "
                     f"{alternative}.")
+
+
+def _backups_last(callbacks):
+    """`callbacks` with the backups (stock and `hftatf.backup`) last, so
+    that each saves what the others did at an epoch's end (a model that
+    early stopping froze); each `hftatf.backup.BackupAndRestore` is given
+    the others, whose state it backs up."""
+    is_backup = (keras.callbacks.BackupAndRestore, backup.BackupAndRestore)
+    others = [c for c in callbacks if not isinstance(c, is_backup)]
+    backups = [c for c in callbacks if isinstance(c, is_backup)]
+    for callback in backups:
+        if isinstance(callback, backup.BackupAndRestore):
+            callback.callbacks = others
+    return others + backups
 
 
 def _finite_per_model(tensors, num_models):
@@ -1544,8 +1558,10 @@ class FusedModel(keras.Model):
         _check_callbacks(callbacks)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.append(_DivergenceReport())
+            callbacks.callbacks[:] = _backups_last(callbacks.callbacks)
         else:
-            callbacks = [*(callbacks or []), _DivergenceReport()]
+            callbacks = _backups_last([*(callbacks or []),
+                                       _DivergenceReport()])
         return super().fit(*args, callbacks=callbacks, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None,

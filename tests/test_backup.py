@@ -105,3 +105,58 @@ def test_backup_keeps_one_weights_file_and_is_deleted_at_the_end(tmp_path):
     assert len(list((tmp_path / "a").glob("*.weights.h5"))) == 1
     fit(small_array(), BackupAndRestore(tmp_path / "b"))
     assert not list((tmp_path / "b").iterdir())
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Stops a run in the middle of epoch `epoch`."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.current == self.epoch and batch == 1:
+            raise KeyboardInterrupt
+
+
+def test_per_model_callbacks_resume_where_they_were(tmp_path):
+    # Early stopping's patience and best weights, the plateau's counters:
+    # backed up with the array (they restarted: a model's weights 0.116
+    # off), and backups run after the other callbacks whatever the list's
+    # order (listed first, the backup missed the freeze of its epoch).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype("float32")
+    y = rng.normal(size=(32, 2)).astype("float32")
+    start = small_array(num_models=3).get_weights()
+
+    def train(backup_dir, extra=()):
+        array = small_array(num_models=3)
+        array.set_weights(start)
+        array.compile(optimizer=hftatf.optimizers.SGD([0.05, 0.3, 0.9]),
+                      loss="mse")
+        stopping = hftatf.callbacks.EarlyStopping(
+            monitor="loss", patience=1, min_delta=0.02,
+            restore_best_weights=True)
+        plateau = hftatf.callbacks.ReduceLROnPlateau(
+            monitor="loss", patience=1, factor=0.5, min_delta=0.05)
+        array.fit(x, y, batch_size=8, epochs=7, shuffle=False, verbose=0,
+                  callbacks=[BackupAndRestore(backup_dir), stopping,
+                             plateau, *extra])
+        return array, stopping
+
+    whole, stopping = train(tmp_path / "whole")
+    # Models stop at different epochs, some after the interruption.
+    assert len(set(stopping.stopped_epoch)) > 1
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "killed", [Interrupt(3)])
+    resumed, resumed_stopping = train(tmp_path / "killed")
+    assert resumed_stopping.stopped_epoch == stopping.stopped_epoch
+    assert resumed_stopping.best_epoch == stopping.best_epoch
+    np.testing.assert_array_equal(
+        resumed.optimizer.get_hyperparameter("learning_rate"),
+        whole.optimizer.get_hyperparameter("learning_rate"))
+    for ours, theirs in zip(resumed.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(ours, theirs)
