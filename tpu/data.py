@@ -19,6 +19,7 @@ from where the interrupted one stopped (`initial_epoch`). Validation reads
 the same batches every epoch.
 """
 
+import contextlib
 import dataclasses
 import inspect
 
@@ -335,7 +336,9 @@ class Inputs:
 
     Attributes:
         train: the training `DistributedDataset` (an endless stream).
-        validation: the validation `DistributedDataset`, or None.
+        validation: the validation `DistributedDataset`, or None; it
+            repeats: every `validation_steps` steps read the same
+            examples.
         steps_per_epoch: training steps per epoch.
         validation_steps: validation steps per epoch (0 without one).
         per_replica_batch_size: examples per replica per step.
@@ -350,6 +353,30 @@ class Inputs:
     per_replica_batch_size: int
     num_input_pipelines: int
     element_spec: object = None
+
+
+@contextlib.contextmanager
+def _reading(source):
+    """Turns TensorFlow's errors on reading files that are not what the
+    launcher reads (another format, other feature names) into a
+    `ConfigError` that names them."""
+    try:
+        yield
+    except tf.errors.OpError as error:
+        if source.kind == "recipe":
+            raise
+        hint = ""
+        if source.kind == "tfrecord":
+            hint = (" The launcher reads TFRecord files of tf.train.Example "
+                    "records with the features of hftatf.models.data."
+                    "IMAGE_FEATURES (images: 'image', PNG or JPEG bytes, "
+                    "and 'label') or POINT_FEATURES (point clouds).")
+        message = (error.message or str(error)).strip().splitlines()[0]
+        described = source.description + (
+            f" (validation: {source.validation_description})"
+            if source.validation_description else "")
+        raise ConfigError(
+            f"Cannot read the {described}: {message}.{hint}") from None
 
 
 def _shapes_read(dataset):
@@ -456,20 +483,21 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
                 f"{local} x {batch} examples per input pipeline. Lower "
                 "--eval_steps, or leave it out to validate on one pass.")
 
-    passes = [one_pass(context) for context in contexts]
-    if train_steps:
-        check_one_step([train for train, _ in passes])
-    steps_per_epoch = train_steps or whole_steps(
-        [train for train, _ in passes], "training")
-    if passes[0][1] is None or eval_steps == 0:
-        validation_steps = 0
-    elif eval_steps:
-        check_validation_steps([validation for _, validation in passes])
-        validation_steps = eval_steps
-    else:
-        validation_steps = whole_steps(
-            [validation for _, validation in passes], "validation")
-    element_spec = _shapes_read(passes[0][0])
+    with _reading(source):
+        passes = [one_pass(context) for context in contexts]
+        if train_steps:
+            check_one_step([train for train, _ in passes])
+        steps_per_epoch = train_steps or whole_steps(
+            [train for train, _ in passes], "training")
+        if passes[0][1] is None or eval_steps == 0:
+            validation_steps = 0
+        elif eval_steps:
+            check_validation_steps([validation for _, validation in passes])
+            validation_steps = eval_steps
+        else:
+            validation_steps = whole_steps(
+                [validation for _, validation in passes], "validation")
+        element_spec = _shapes_read(passes[0][0])
     del passes
     skip = initial_epoch * steps_per_epoch * local
 

@@ -53,8 +53,15 @@ def test_epochs_are_whole_global_batches_of_the_training_set():
     assert inputs.validation_steps == -(-VALIDATION_SIZE // 64)
     x, y = next(iter(inputs.train))
     assert tuple(x.shape) == (64, 8, 8, 1) and tuple(y.shape) == (64,)
-    seen = sum(len(y) for _, y in batches(inputs.validation))
-    assert seen == VALIDATION_SIZE
+    # Each epoch's steps read the validation set once; the next epoch's
+    # read it again (Keras keeps one iterator for the whole fit).
+    taken = batches(inputs.validation, 2 * inputs.validation_steps)
+    epoch, next_epoch = (taken[:inputs.validation_steps],
+                         taken[inputs.validation_steps:])
+    assert sum(len(y) for _, y in epoch) == VALIDATION_SIZE
+    for (x, y), (x_again, y_again) in zip(epoch, next_epoch):
+        np.testing.assert_array_equal(x, x_again)
+        np.testing.assert_array_equal(y, y_again)
 
 
 def test_steps_per_execution_and_static_shapes_round_epochs_down():
@@ -63,7 +70,8 @@ def test_steps_per_execution_and_static_shapes_round_epochs_down():
                                      static_shapes=True)
     assert inputs.steps_per_epoch == TRAIN_SIZE // 64 // 4 * 4
     assert inputs.validation_steps == VALIDATION_SIZE // 64 // 4 * 4
-    sizes = {len(y) for _, y in batches(inputs.validation)}
+    sizes = {len(y) for _, y in batches(inputs.validation,
+                                        inputs.validation_steps)}
     assert sizes == {64}
 
 
@@ -79,7 +87,7 @@ def test_more_validation_steps_than_the_validation_set_holds_is_an_error():
     # 359 examples: 6 batches of 64 (the last one partial).
     inputs = data.distributed_inputs(cpu(), source(), 64, eval_steps=6)
     assert inputs.validation_steps == 6
-    assert len(batches(inputs.validation)) == 6
+    assert len(batches(inputs.validation, 6)) == 6
     with pytest.raises(ConfigError, match="--eval_steps=7.*has 6 steps"):
         data.distributed_inputs(cpu(), source(), 64, eval_steps=7)
 
@@ -236,3 +244,25 @@ def test_input_contexts_of_one_device():
     (only,) = data.input_contexts(cpu())
     assert (only.num_input_pipelines, only.input_pipeline_id,
             only.num_replicas_in_sync) == (1, 0, 1)
+
+
+def test_files_the_launcher_cannot_read_are_a_config_error(tfrecords):
+    # Before: TensorFlow's InvalidArgumentError / DataLossError traceback.
+    other = tfrecords / "other.tfrecord"
+    with tf.io.TFRecordWriter(str(other)) as writer:
+        writer.write(tf.train.Example(features=tf.train.Features(feature={
+            "pixels": tf.train.Feature(
+                float_list=tf.train.FloatList(value=[0.5]))})
+        ).SerializeToString())
+    not_records = tfrecords / "arrays.npz"
+    np.savez(not_records, x=np.zeros(3))
+    for path, reason in ((other, "image"), (not_records, "corrupted")):
+        files = source(dataset=str(path))
+        with pytest.raises(ConfigError, match=f"Cannot read the TFRecord "
+                           f"files {path}: .*{reason}.*IMAGE_FEATURES"):
+            data.distributed_inputs(cpu(), files, 4)
+    files = source(dataset=str(tfrecords / "train-*.tfrecord"),
+                   validation_dataset=str(other))
+    with pytest.raises(ConfigError, match=f"validation: TFRecord files "
+                       f"{other}"):
+        data.distributed_inputs(cpu(), files, 4)
