@@ -75,7 +75,9 @@ def at_rows(tensor, gradient, num_models):
         per_model = ops.reshape(tensor, (num_models,)
                                 + (1,) * (len(values.shape) - 1))
         return ops.take(per_model, model_ids(gradient, num_models), axis=0)
-    rows = ops.reshape(tensor, (-1,) + tuple(values.shape[1:]))
+    # (The values' static shape may be unknown after a cross-replica sum.)
+    rest = tuple(tensor.shape[len(tensor.shape) - len(values.shape) + 1:])
+    rows = ops.reshape(tensor, (-1,) + rest)
     return ops.take(rows, gradient.indices, axis=0)
 
 

@@ -736,8 +736,27 @@ class FusedOptimizer(keras.optimizers.Optimizer):
             grads = [None if g is None else sparse.identity(g)
                      for g in grads]
         self._apply_weight_decay(trainable_variables)
-        self._backend_update_step(grads, trainable_variables,
-                                  self.learning_rate)
+        with _set_for(_MERGED, self, self._merged_by_clipping(grads)):
+            self._backend_update_step(grads, trainable_variables,
+                                      self.learning_rate)
+
+    def _merged_by_clipping(self, grads):
+        """The `[B]` models whose sparse gradients `global_clipnorm` made
+        dense (None if none): replicas' sums of them must be merged too."""
+        if self.global_clipnorm is None or not tf.distribute.has_strategy(
+                ) or not any(sparse.is_sparse(g) for g in grads):
+            return None
+        return self._hyper_variables["global_clipnorm"] > 0
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        # Stock replicas sum the dense gradients that global clipping made:
+        # a row looked up on two replicas is one row of the sum.
+        grads_and_vars = super()._all_reduce_sum_gradients(grads_and_vars)
+        merged = _MERGED.__dict__.get(id(self))
+        if merged is None:
+            return grads_and_vars
+        return [(sparse.merged(g, merged, self.num_models)
+                 if sparse.is_sparse(g) else g, v) for g, v in grads_and_vars]
 
     def _accumulate_or_update(self, grads, trainable_variables):
         """Stock gradient accumulation, per model: model `b` updates with
@@ -947,6 +966,8 @@ class FusedOptimizer(keras.optimizers.Optimizer):
 # and the caches of `_per_model`.
 _MASKS = threading.local()
 _BROADCASTS = threading.local()
+# ... and the models whose sparse gradients global clipping merged.
+_MERGED = threading.local()
 
 
 @contextlib.contextmanager
