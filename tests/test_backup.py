@@ -10,6 +10,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from testing import Interrupt
 
 import hftatf
 from hftatf.backup import METADATA, BackupAndRestore
@@ -105,21 +106,6 @@ def test_backup_keeps_one_weights_file_and_is_deleted_at_the_end(tmp_path):
     assert len(list((tmp_path / "a").glob("*.weights.h5"))) == 1
     fit(small_array(), BackupAndRestore(tmp_path / "b"))
     assert not list((tmp_path / "b").iterdir())
-
-
-class Interrupt(keras.callbacks.Callback):
-    """Stops a run in the middle of epoch `epoch`."""
-
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.current == self.epoch and batch == 1:
-            raise KeyboardInterrupt
 
 
 def test_per_model_callbacks_resume_where_they_were(tmp_path):

@@ -2,6 +2,7 @@
 
 import collections
 
+import keras
 import numpy as np
 from tensorflow.python.eager import context
 
@@ -245,3 +246,22 @@ def trains_like_stock(model, x, y, num_models=2):
         for got, want in zip(array.unfuse()[b].get_weights(),
                              twin.get_weights()):
             assert_close(got, want, err_msg=f"model {b}")
+
+
+# -- interrupted runs --------------------------------------------------------
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Stops a run with an exception (as a kill would, without the process
+    ending) in the middle of epoch `epoch`."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.current == self.epoch and batch == 1:
+            raise KeyboardInterrupt

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 import pytest
 from absl.testing import flagsaver
-from testing import assert_close
+from testing import Interrupt, assert_close
 
 from hftatf.models import data as zoo_data
 from hftatf.tpu import results, train
@@ -194,21 +194,6 @@ def test_tfrecord_dataset(tmp_path, eval_steps):
                                    return_dict=True)
     for b in range(2):
         assert_close(evaluated[f"loss_{b}"], run.history[f"val_loss_{b}"][-1])
-
-
-class Interrupt(keras.callbacks.Callback):
-    """Stops a run with an exception in the middle of epoch `epoch`."""
-
-    def __init__(self, epoch):
-        super().__init__()
-        self.epoch = epoch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.current == self.epoch and batch == 1:
-            raise KeyboardInterrupt
 
 
 def test_rerun_after_an_interruption_resumes(tmp_path):
