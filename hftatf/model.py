@@ -194,7 +194,7 @@ def _finite_per_model(tensors, num_models):
     tensors = [t for t in tensors if t is not None]
     total = ops.zeros((num_models,), "float32")
     for tensor in tensors:
-        total = total + ops.cast(_per_model(
+        total = total + ops.cast(sparse.reduce_per_model(
             tensor, num_models, lambda rows: ops.sum(rows, axis=1),
             tf.math.unsorted_segment_sum), "float32")
     return ops.cond(ops.all(ops.isfinite(total)),
@@ -206,24 +206,9 @@ def _finite_elements_per_model(tensors, num_models):
     """`_finite_per_model`, element by element."""
     finite = ops.ones((num_models,), "bool")
     for tensor in tensors:
-        finite = ops.logical_and(finite, _per_model(
-            tensor, num_models, lambda rows: ops.cast(
-                ops.all(ops.isfinite(rows), axis=1), "int32"),
-            tf.math.unsorted_segment_min) > 0)
+        finite = ops.logical_and(
+            finite, sparse.finite_per_model(tensor, num_models))
     return finite
-
-
-def _per_model(tensor, num_models, reduce_rows, join_rows):
-    """`[B]`: each model's elements of a `[B, ...]` tensor reduced by
-    `reduce_rows` (`[rows, n] -> [rows]`). For an `IndexedSlices` of a
-    `[B, ...]` variable (`hftatf.sparse`), each of its rows is reduced and
-    a model's rows joined by `join_rows` (a segment reduction)."""
-    if sparse.is_sparse(tensor):
-        values = tensor.values
-        rows = reduce_rows(ops.reshape(values, (ops.shape(values)[0], -1)))
-        return join_rows(rows, sparse.model_ids(tensor, num_models),
-                         num_models)
-    return reduce_rows(ops.reshape(tensor, (num_models, -1)))
 
 
 def _unstack_models(tensor, num_models):

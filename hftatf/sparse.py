@@ -99,14 +99,33 @@ def merged(gradient, models, num_models):
         gradient.dense_shape)
 
 
-def sum_per_model(gradient, num_models, values=None):
-    """`[B]`: the sum of each model's values of `gradient` (or of `values`,
-    one per occurrence, `[n, ...]`)."""
-    values = gradient.values if values is None else values
-    per_row = ops.sum(ops.reshape(values, (ops.shape(values)[0], -1)),
-                      axis=1)
-    return tf.math.unsorted_segment_sum(
-        per_row, model_ids(gradient, num_models), num_models)
+def reduce_per_model(tensor, num_models, reduce_rows, join_rows):
+    """`[B]`: each model's elements of a `[B, ...]` tensor reduced by
+    `reduce_rows` (`[rows, n] -> [rows]`). For a sparse gradient, each of
+    its rows is reduced and a model's rows joined by `join_rows` (a
+    segment reduction, e.g. `tf.math.unsorted_segment_sum`)."""
+    if is_sparse(tensor):
+        values = tensor.values
+        rows = reduce_rows(ops.reshape(values, (ops.shape(values)[0], -1)))
+        return join_rows(rows, model_ids(tensor, num_models), num_models)
+    return reduce_rows(ops.reshape(tensor, (num_models, -1)))
+
+
+def sum_per_model(gradient, num_models, values):
+    """`[B]`: the sum of each model's `values` (one per occurrence of
+    `gradient`, `[n, ...]`)."""
+    return reduce_per_model(with_values(gradient, values), num_models,
+                            lambda rows: ops.sum(rows, axis=1),
+                            tf.math.unsorted_segment_sum)
+
+
+def finite_per_model(tensor, num_models):
+    """`[B]` booleans: whether each model's elements of a `[B, ...]`
+    tensor (or sparse gradient) are all finite."""
+    return reduce_per_model(
+        tensor, num_models,
+        lambda rows: ops.cast(ops.all(ops.isfinite(rows), axis=1), "int32"),
+        tf.math.unsorted_segment_min) > 0
 
 
 def offset(gradient, start, count):

@@ -156,7 +156,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
     def check_finite(self, grads):
         """`[B]` booleans: whether all of model `b`'s gradient slices are
         finite, on every replica."""
-        finite = [_finite_per_model(g, self.num_models)
+        finite = [sparse.finite_per_model(g, self.num_models)
                   for g in grads if g is not None]
         finite = ops.all(ops.stack(finite), axis=0)
         context = tf.distribute.get_replica_context()
@@ -223,18 +223,3 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
         raise ValueError(
             "stateless_apply is not supported with the TensorFlow backend, "
             "which hftatf uses; call `apply`.")
-
-
-def _finite_per_model(gradient, num_models):
-    """`[B]`: whether each model's slice of `gradient` is all finite."""
-    if sparse.is_sparse(gradient):
-        values = gradient.values
-        finite = ops.all(ops.isfinite(
-            ops.reshape(values, (ops.shape(values)[0], -1))), axis=1)
-        return tf.math.unsorted_segment_min(
-            ops.cast(finite, "int32"),
-            sparse.model_ids(gradient, num_models), num_models) > 0
-    finite = ops.isfinite(gradient)
-    if len(finite.shape) > 1:
-        finite = ops.all(finite, axis=tuple(range(1, len(finite.shape))))
-    return finite
