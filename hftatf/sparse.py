@@ -63,6 +63,10 @@ def identity(gradient):
 
 
 def with_values(gradient, values):
+    """`gradient` with `values` in place of its own (one per occurrence;
+    for a dense gradient, `values` itself)."""
+    if not is_sparse(gradient):
+        return values
     return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
 
 

@@ -498,31 +498,28 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         return grads
 
     def _clip_by_model_norm(self, gradient):
-        # tf.clip_by_norm's formula, over each model's slice.
+        # tf.clip_by_norm's formula, over each model's slice (a sparse
+        # gradient's: over its occurrences, as tf.clip_by_norm over an
+        # IndexedSlices' values).
         clipnorm = self._hyper("clipnorm", gradient)
         if sparse.is_sparse(gradient):
-            # ... over each model's occurrences, as tf.clip_by_norm over
-            # an IndexedSlices' values.
             values = gradient.values
             l2sum = self._at_rows(broadcast_to_models(
                 sparse.sum_per_model(gradient, self.num_models,
                                      ops.square(values)), 2), gradient)
             clipnorm = self._at_rows(clipnorm, gradient)
-            positive = l2sum > 0
-            l2sum_safe = ops.where(positive, l2sum, ops.ones_like(l2sum))
-            l2norm = ops.where(positive, ops.sqrt(l2sum_safe), l2sum)
-            clipped = ops.divide(ops.multiply(values, clipnorm),
-                                 ops.maximum(l2norm, clipnorm))
-            return sparse.with_values(
-                gradient, ops.where(clipnorm > 0, clipped, values))
-        axes = tuple(range(1, len(gradient.shape)))
-        l2sum = ops.sum(ops.square(gradient), axis=axes, keepdims=True)
+        else:
+            values = gradient
+            l2sum = ops.sum(ops.square(gradient),
+                            axis=tuple(range(1, len(gradient.shape))),
+                            keepdims=True)
         positive = l2sum > 0
         l2sum_safe = ops.where(positive, l2sum, ops.ones_like(l2sum))
         l2norm = ops.where(positive, ops.sqrt(l2sum_safe), l2sum)
-        clipped = ops.divide(ops.multiply(gradient, clipnorm),
+        clipped = ops.divide(ops.multiply(values, clipnorm),
                              ops.maximum(l2norm, clipnorm))
-        return ops.where(clipnorm > 0, clipped, gradient)
+        return sparse.with_values(
+            gradient, ops.where(clipnorm > 0, clipped, values))
 
     def _clip_by_model_global_norm(self, grads):
         # keras.optimizers' clip_by_global_norm, over each model's gradients.
@@ -552,16 +549,15 @@ class FusedOptimizer(keras.optimizers.Optimizer):
             self._per_model(scale, gradient), gradient))
 
     def _clip_by_model_value(self, gradient):
+        # A sparse gradient's occurrence by occurrence, as tf.clip_by_value.
         value = self._hyper("clipvalue", gradient)
+        values = gradient
         if sparse.is_sparse(gradient):
-            # Occurrence by occurrence, as tf.clip_by_value.
             value = self._at_rows(value, gradient)
             values = gradient.values
-            clipped = ops.maximum(ops.minimum(values, value), -value)
-            return sparse.with_values(
-                gradient, ops.where(value > 0, clipped, values))
-        clipped = ops.maximum(ops.minimum(gradient, value), -value)
-        return ops.where(value > 0, clipped, gradient)
+        clipped = ops.maximum(ops.minimum(values, value), -value)
+        return sparse.with_values(
+            gradient, ops.where(value > 0, clipped, values))
 
     # -- sparse gradients ---------------------------------------------------
 
