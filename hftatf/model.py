@@ -31,6 +31,7 @@ from hftatf.layers.base import (
     broadcast_to_models,
     has_accelerator,
     keep_logits,
+    mask_has_model_axis,
     model_pieces,
     runs_on_accelerator,
 )
@@ -275,10 +276,9 @@ def _model_slices(tensor, num_models):
             keep_logits(sliced, sliced_logits)
     mask = get_keras_mask(tensor)
     if mask is not None:
-        rank = len(tensor.shape)
-        if len(mask.shape) == rank - 1:  # `[batch, B, ...]`: per model
+        if mask_has_model_axis(tensor, mask):
             masks = _unstack_models(mask, num_models)
-        elif len(mask.shape) == rank - 2:  # no model axis: shared
+        elif len(mask.shape) == len(tensor.shape) - 2:  # shared
             masks = [mask] * num_models
         else:
             masks = [None] * num_models
@@ -1378,7 +1378,7 @@ class FusedModel(keras.Model):
         # the models (the first pass's), or none.
         first_masks = [get_keras_mask(t)
                        for t in keras.tree.flatten(first_preds)]
-        masked = [m is not None and len(m.shape) == len(t.shape) - 1
+        masked = [m is not None and mask_has_model_axis(t, m)
                   for m, t in zip(first_masks,
                                   keras.tree.flatten(first_preds))]
 

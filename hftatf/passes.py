@@ -57,7 +57,7 @@ from keras import ops
 from keras.src.backend import get_keras_mask, set_keras_mask
 
 from hftatf import sparse
-from hftatf.layers.base import carry_logits
+from hftatf.layers.base import carry_logits, mask_has_model_axis
 
 # Assumed when the system does not say (a common server CPU's L3).
 DEFAULT_CACHE_BYTES = 32 * 2**20
@@ -285,8 +285,8 @@ def concat_models(parts):
     output = carry_logits(concatenate(parts), parts, concatenate)
     masks = [get_keras_mask(t) for t in parts]
     if all(m is not None for m in masks):
-        per_model = len(masks[0].shape) == len(parts[0].shape) - 1
-        set_keras_mask(output, concatenate(masks) if per_model else masks[0])
+        set_keras_mask(output, concatenate(masks) if mask_has_model_axis(
+            parts[0], masks[0]) else masks[0])
     return output
 
 

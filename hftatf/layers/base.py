@@ -314,6 +314,13 @@ def keep_logits(tensor, logits):
         pass
 
 
+def mask_has_model_axis(tensor, mask):
+    """Whether the mask Keras keeps on an array's output `tensor`
+    (`[batch, B, ..., features]`) is per model (`[batch, B, ...]`), rather
+    than shared by the models (`[batch, ...]`)."""
+    return len(mask.shape) == len(tensor.shape) - 1
+
+
 def rearranged(transform, tensor):
     """`transform(tensor)` for a layout change (reshape, transpose, ...),
     keeping the logits Keras caches on softmax and sigmoid outputs."""
