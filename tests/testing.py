@@ -107,6 +107,24 @@ def stacked_weights(stock_layers):
             zip(*(layer.get_weights() for layer in stock_layers))]
 
 
+def stock_and_fused_embeddings(num_models, input_dim, output_dim, rng,
+                               **kwargs):
+    """B stock `keras.layers.Embedding`s with random tables, and the
+    `FusedEmbedding` of the same tables."""
+    from hftatf.layers import FusedEmbedding
+
+    stock = []
+    for _ in range(num_models):
+        layer = keras.layers.Embedding(input_dim, output_dim, **kwargs)
+        layer.build()
+        randomize_weights(layer, rng)
+        stock.append(layer)
+    fused = FusedEmbedding(num_models, input_dim, output_dim, **kwargs)
+    fused.build((None, num_models))
+    fused.set_weights(stacked_weights(stock))
+    return stock, fused
+
+
 def layer_outputs_and_gradients(layer, inputs, cotangents, training=None,
                                 **call_kwargs):
     """`layer(*inputs)` and the gradients of `sum(output_i * cotangent_i)`

@@ -12,8 +12,7 @@ import tensorflow as tf
 from testing import (
     assert_close,
     compare_layer_with_stock,
-    randomize_weights,
-    stacked_weights,
+    stock_and_fused_embeddings,
 )
 
 from hftatf.layers import FusedEmbedding, registry
@@ -24,16 +23,7 @@ DIM = 3
 
 
 def stock_and_fused(num_models, rng, **kwargs):
-    stock = []
-    for _ in range(num_models):
-        layer = keras.layers.Embedding(VOCAB, DIM, **kwargs)
-        layer.build()
-        randomize_weights(layer, rng)
-        stock.append(layer)
-    fused = FusedEmbedding(num_models, VOCAB, DIM, **kwargs)
-    fused.build((None, num_models))
-    fused.set_weights(stacked_weights(stock))
-    return stock, fused
+    return stock_and_fused_embeddings(num_models, VOCAB, DIM, rng, **kwargs)
 
 
 @pytest.mark.parametrize("num_models", [1, 3])

@@ -11,11 +11,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from testing import assert_close, randomize_weights, stacked_weights
+from testing import assert_close, stock_and_fused_embeddings
 
 import hftatf
 from hftatf import optimizers
-from hftatf.layers import FusedEmbedding
 
 B = 3
 VOCAB = 6
@@ -24,16 +23,7 @@ RATES = [0.05, 0.02, 0.1]
 
 
 def layers(rng, **kwargs):
-    stock = []
-    for _ in range(B):
-        layer = keras.layers.Embedding(VOCAB, DIM, **kwargs)
-        layer.build()
-        randomize_weights(layer, rng)
-        stock.append(layer)
-    fused = FusedEmbedding(B, VOCAB, DIM, **kwargs)
-    fused.build((None, B))
-    fused.set_weights(stacked_weights(stock))
-    return stock, fused
+    return stock_and_fused_embeddings(B, VOCAB, DIM, rng, **kwargs)
 
 
 def batches(rng, steps):
