@@ -842,6 +842,10 @@ class ModelCheckpoint(PerModelMonitorCallback):
     improves (or every epoch, with `save_best_only=False`) its slice of the
     array's weights is saved in the stock architecture the array was fused
     from, so the file loads with `keras.models.load_model` without hftatf.
+    As stock Keras saves a model, it is saved compiled (but with
+    `save_weights_only`): with the array's loss and metrics and model `b`'s
+    own stock optimizer and its state (`hftatf.fuse.unfuse`), so training
+    the loaded model goes on as model `b` would have in the array.
     Files are written atomically (to a temporary file in the same directory,
     then renamed), so a crash never leaves a truncated checkpoint behind.
 
@@ -985,21 +989,30 @@ class ModelCheckpoint(PerModelMonitorCallback):
 
     def _stock_model(self):
         """One stock model of the array's architecture, built once; each
-        save loads a model's slice into it."""
+        save loads a model's slice into it. Also whether the model is saved
+        compiled (`hftatf.fuse.compiles_stock_models`)."""
         array = self.array
-        if self._stock is None or self._stock[0] is not array:
-            from hftatf.fuse import weighted_layers
+        if self._stock is None or self._stock[0] is not array or (
+                self._stock[1] is not array.optimizer):
+            from hftatf.fuse import compiles_stock_models, weighted_layers
 
             model = array.stock_model()
-            self._stock = (array, model, weighted_layers(model))
-        return self._stock[1:]
+            compiles = (not self.save_weights_only
+                        and compiles_stock_models(array))
+            self._stock = (array, array.optimizer, model,
+                           weighted_layers(model), compiles)
+        return self._stock[2:]
 
     def _save(self, b, stacked, filepath):
-        from hftatf.fuse import set_layer_weights
+        from hftatf.fuse import compile_stock_model, set_layer_weights
 
-        model, layers = self._stock_model()
+        model, layers, compiles = self._stock_model()
         for path, layer in layers:
             set_layer_weights(layer, [w[b] for w in stacked[path]])
+        if compiles:
+            # Saved as stock ModelCheckpoint saves a model: compiled, with
+            # model b's optimizer and its state.
+            compile_stock_model(self.array, b, model)
         directory = os.path.dirname(filepath)
         if directory and not tf.io.gfile.exists(directory):
             tf.io.gfile.makedirs(directory)

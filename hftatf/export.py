@@ -11,6 +11,7 @@
   `hftatf.fuse_models` accepts such paths.
 """
 
+import functools
 import json
 import os
 import pathlib
@@ -26,6 +27,8 @@ import hftatf
 from hftatf.callbacks import split_logs
 from hftatf.fuse import (
     _input_structure,
+    compile_stock_model,
+    compiles_stock_models,
     finalize_derived_state,
     fuse,
     fuse_models,
@@ -115,7 +118,11 @@ def export_models(array, directory, history=None, format=FORMATS):
 
     For model `b`, `directory/model_{b}/` receives:
       * `model.keras` (format `"keras"`): the model in the Keras format;
-        `keras.models.load_model` loads it without hftatf;
+        `keras.models.load_model` loads it without hftatf. Where the array
+        is compiled with a loss, the model is saved compiled as it trains
+        in the array, with its own stock optimizer and that optimizer's
+        state (`hftatf.fuse.unfuse`), so the loaded model trains on as it
+        would have in the array;
       * `saved_model/` (format `"saved_model"`): a TensorFlow SavedModel
         for serving, with the stock model's input signature under
         `serving_default` (`tf.saved_model.load(path).serve(x)` runs it);
@@ -164,12 +171,16 @@ def export_models(array, directory, history=None, format=FORMATS):
     if history is None:
         history = getattr(array, "history", None)
     optimizer = getattr(array, "optimizer", None)
+    compiles = "keras" in formats and compiles_stock_models(array)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=directory))
     try:
         index = []
-        for b, model in enumerate(array.unfuse()):
+        for b, model in enumerate(array.unfuse(compile=False)):
             path = staging / f"model_{b}"
-            files = _write_model(model, path, formats)
+            files = _write_model(
+                model, path, formats,
+                compile=compiles and functools.partial(
+                    compile_stock_model, array, b))
             metadata = _finite({
                 "index": b,
                 "num_models": array.num_models,
@@ -214,21 +225,25 @@ def _check_formats(format):
     return formats
 
 
-def _write_model(model, path, formats):
-    """Writes `model` into the new directory `path`; returns the files."""
+def _write_model(model, path, formats, compile=None):
+    """Writes `model` into the new directory `path`; returns the files.
+    `compile` (where given) compiles `model` before its `.keras` file is
+    written: the checkpoint holds the model's variables alone."""
     path.mkdir()
     files = {"config": CONFIG_FILE}
     _write_json(path / CONFIG_FILE,
                 keras.saving.serialize_keras_object(model))
-    if "keras" in formats:
-        model.save(path / KERAS_FILE)
-        files["keras"] = KERAS_FILE
     if "saved_model" in formats:
         model.export(str(path / SAVED_MODEL_DIR), verbose=False)
         files["saved_model"] = SAVED_MODEL_DIR
     if "checkpoint" in formats:
         tf.train.Checkpoint(model=model).write(str(path / CHECKPOINT_PREFIX))
         files["checkpoint"] = CHECKPOINT_PREFIX
+    if "keras" in formats:
+        if compile:
+            compile(model)
+        model.save(path / KERAS_FILE)
+        files["keras"] = KERAS_FILE
     return files
 
 

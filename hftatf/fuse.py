@@ -6,6 +6,7 @@ of `ms`, and `fuse_models(unfuse(a))` the weights of `a`.
 
 import collections
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -22,7 +23,8 @@ from hftatf.layers.fold import (
     has_random_state,
 )
 from hftatf.layers.per_model import derives_state
-from hftatf.model import FusedModel
+from hftatf.model import FusedModel, clone_metrics
+from hftatf.optimizers.stock import copy_state, stock_optimizer
 from hftatf.validation import check_num_models
 
 LAYOUTS = ("auto", "batch_first", "models_first")
@@ -669,11 +671,21 @@ def finalize_derived_state(layer):
             inner.finalize_state()
 
 
-def unfuse(array):
+def unfuse(array, compile=True):
     """Returns the array's B models as plain Keras models with their weights.
 
     The models have the architecture of the stock model the array was fused
     from and need no hftatf to run, save or load.
+
+    With `compile=True` (the default) and an array compiled with a loss,
+    model `b` is compiled as it trains in the array: the array's loss,
+    loss weights and metrics (fresh ones), and the stock optimizer of the
+    fused one's class with model `b`'s hyper-parameters as they are now
+    and its state (step count, slots, EMA averages, loss scale;
+    `hftatf.optimizers.stock_optimizer`). `fit` on it goes on exactly as
+    model `b` would in the array, and `model.save` keeps the optimizer, as
+    stock Keras does. An optimizer with no stock form (`Lars`, a schedule
+    without one) leaves the models uncompiled, with a warning.
     """
     if array.source_config is None:
         raise ValueError(
@@ -688,7 +700,57 @@ def unfuse(array):
     for index, model in enumerate(models):
         for path, layer in weighted_layers(model):
             set_layer_weights(layer, [w[index] for w in stacked[path]])
+    if compile and compiles_stock_models(array):
+        for index, model in enumerate(models):
+            compile_stock_model(array, index, model)
     return models
+
+
+def compiles_stock_models(array):
+    """Whether `compile_stock_model` can compile the array's models: the
+    array is compiled with a loss and its optimizer has a stock form (a
+    warning says so where it has none)."""
+    config = array._compile_config.config if array.compiled else {}
+    if config.get("loss") is None or array.optimizer is None:
+        return False
+    try:
+        stock_optimizer(array.optimizer, 0)
+    except TypeError as error:
+        warnings.warn(
+            f"The models of array '{array.name}' are left uncompiled: "
+            f"{error}", stacklevel=3)
+        return False
+    return True
+
+
+def compile_stock_model(array, index, model):
+    """Compiles the plain `model` (the array's architecture) as model
+    `index` trains in the array, with its optimizer's state."""
+    config = array._compile_config.config
+    optimizer = stock_optimizer(array.optimizer, index)
+    model.compile(
+        optimizer=optimizer, loss=config["loss"],
+        loss_weights=config.get("loss_weights"),
+        metrics=clone_metrics(config.get("metrics")),
+        weighted_metrics=clone_metrics(config.get("weighted_metrics")),
+        run_eagerly=config.get("run_eagerly", False),
+        steps_per_execution=config.get("steps_per_execution", 1),
+        jit_compile=config.get("jit_compile", "auto"),
+        auto_scale_loss=config.get("auto_scale_loss", True))
+    fused = {id(stock): variable
+             for (_, layer), (_, stock_layer) in zip(
+                 weighted_layers(array), weighted_layers(model))
+             for variable, stock in zip(layer.weights, stock_layer.weights)}
+    missing = [v.path for v in model.trainable_variables
+               if id(v) not in fused]
+    if missing:
+        raise ValueError(
+            f"Cannot give model {index} of array '{array.name}' its "
+            f"optimizer state: its variables {missing} have no counterpart "
+            "in the array.")
+    copy_state(
+        array.optimizer, index, model.optimizer,
+        [(fused[id(v)], v) for v in model.trainable_variables])
 
 
 def fuse_models(models, shared_inputs=True, name=None,

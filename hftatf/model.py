@@ -351,7 +351,7 @@ def _check_reduced(loss):
                 "trains on it.")
 
 
-def _clone_metrics(metrics):
+def clone_metrics(metrics):
     """Returns `metrics` with every Metric object replaced by a fresh copy,
     so that each model of the array keeps its own metric state."""
 
@@ -801,8 +801,8 @@ class FusedModel(keras.Model):
         self._model_metrics = None
         if metrics is not None or weighted_metrics is not None:
             self._model_metrics = [
-                CompileMetrics(_clone_metrics(metrics),
-                               _clone_metrics(weighted_metrics),
+                CompileMetrics(clone_metrics(metrics),
+                               clone_metrics(weighted_metrics),
                                output_names=output_names)
                 for _ in range(self.num_models)]
         self._model_loss_tracker = PerModelMean(self.num_models, name="loss")
@@ -1800,11 +1800,13 @@ class FusedModel(keras.Model):
             stacked[index] = value
             variable.assign(stacked)
 
-    def unfuse(self):
-        """Returns the B models as plain Keras models with their weights."""
+    def unfuse(self, compile=True):
+        """Returns the B models as plain Keras models with their weights,
+        compiled as they train in the array (optimizer state included);
+        see `hftatf.fuse.unfuse`."""
         from hftatf.fuse import unfuse
 
-        return unfuse(self)
+        return unfuse(self, compile=compile)
 
     def export_models(self, directory, history=None,
                       format=("keras", "saved_model", "checkpoint")):

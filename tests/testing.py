@@ -255,13 +255,14 @@ def trains_like_stock(model, x, y, num_models=2):
                           return_dict=True)
     array.fit(x, y, batch_size=len(x) // 2, epochs=1, shuffle=False,
               verbose=0)
+    trained = array.unfuse(compile=False)
     for b, twin in enumerate(stock):
         twin.compile(keras.optimizers.SGD(0.1), loss="mse")
         expected = twin.evaluate(x, y, batch_size=len(x), verbose=0)
         assert_close(logs[f"loss_{b}"], expected, err_msg=f"model {b}")
         twin.fit(x, y, batch_size=len(x) // 2, epochs=1, shuffle=False,
                  verbose=0)
-        for got, want in zip(array.unfuse()[b].get_weights(),
+        for got, want in zip(trained[b].get_weights(),
                              twin.get_weights()):
             assert_close(got, want, err_msg=f"model {b}")
 

@@ -26,6 +26,7 @@ from hftatf.optimizers.nadam import Nadam
 from hftatf.optimizers.rmsprop import RMSprop
 from hftatf.optimizers.schedule_free_adamw import ScheduleFreeAdamW
 from hftatf.optimizers.sgd import SGD
+from hftatf.optimizers.stock import stock_optimizer
 
 __all__ = [
     "Adadelta",
@@ -48,6 +49,7 @@ __all__ = [
     "schedules",
     "select",
     "SGD",
+    "stock_optimizer",
 ]
 
 

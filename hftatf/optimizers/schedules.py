@@ -134,6 +134,38 @@ class FusedSchedule(Schedule):
         `FusedModel.select`)."""
         return type(self).from_config(self._selected_config(indices))
 
+    def stock_schedule(self, index):
+        """Model `index`'s schedule as the stock Keras schedule of the same
+        name, with that model's parameters (e.g. for a stock optimizer of
+        one model of the array: `hftatf.optimizers.stock_optimizer`).
+
+        Raises:
+            TypeError: for a schedule with no stock Keras form
+                (`LinearWarmup`, or a subclass of the user's own).
+        """
+        stock_class = getattr(keras.optimizers.schedules,
+                              type(self).__name__, None)
+        if type(self).__module__ != __name__ or not isinstance(stock_class,
+                                                               type):
+            raise TypeError(
+                f"Schedule '{self.name}' ({type(self).__name__}) has no "
+                "stock Keras form, so a stock optimizer cannot follow it.")
+        return stock_class.from_config(self._stock_config(index))
+
+    def _stock_config(self, index):
+        """The config of model `index` alone, its per-model parameters as
+        plain numbers."""
+        config = self._selected_config([index])
+        config.pop("num_models", None)
+        for name in getattr(self, "_per_model_parameters", ()):
+            key, _, position = name.partition("[")
+            if position:
+                config[key][int(position[:-1])] = config[key][
+                    int(position[:-1])][0]
+            else:
+                config[key] = config[key][0]
+        return config
+
     def _selected_config(self, indices):
         config = self.get_config()
         for name in getattr(self, "_per_model_parameters", ()):
@@ -337,6 +369,12 @@ class StepDecay(ExponentialDecay):
         config = super().get_config()
         del config["staircase"]
         return config
+
+    def stock_schedule(self, index):
+        """Model `index`'s schedule as the stock
+        `keras.optimizers.schedules.ExponentialDecay(staircase=True)`."""
+        return keras.optimizers.schedules.ExponentialDecay(
+            **self._stock_config(index), staircase=True)
 
 
 @hftatf_export

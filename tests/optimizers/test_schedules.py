@@ -105,6 +105,33 @@ def test_every_models_rate_matches_stock_at_every_step(case):
     assert all(len(set(r)) > 1 for r in rates.T)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_models_stock_schedule(case):
+    """`stock_schedule(b)`: model b's stock twin, its config included."""
+    fused, stock = make(case)
+    for b in range(B):
+        twin = fused.stock_schedule(b)
+        assert type(twin) is type(stock[b])
+        expected = stock[b].get_config()
+        got = twin.get_config()
+        assert got.keys() == expected.keys()
+        for key in expected:
+            if key != "name":
+                np.testing.assert_equal(np.asarray(got[key], float),
+                                        np.asarray(expected[key], float))
+        for step in range(STEPS):
+            assert float(twin(step)) == float(stock[b](step))
+
+
+def test_step_decay_stock_schedule_and_linear_warmup_has_none():
+    twin = schedules.StepDecay([0.1, 1.0], decay_steps=[3, 2]).stock_schedule(1)
+    assert type(twin) is stock_schedules.ExponentialDecay
+    assert twin.staircase and twin.decay_rate == 0.1
+    assert (twin.initial_learning_rate, twin.decay_steps) == (1.0, 2)
+    with pytest.raises(TypeError, match="no stock Keras form"):
+        schedules.LinearWarmup(0.1, 1, [3, 4]).stock_schedule(0)
+
+
 def test_step_decay_is_stock_exponential_decay_with_staircase():
     fused = schedules.StepDecay([0.1, 1.0, 0.5], decay_steps=[3, 2, 5])
     stock = [stock_schedules.ExponentialDecay(r, d, 0.1, staircase=True)

@@ -1,0 +1,193 @@
+"""One model of a fused optimizer as a stock Keras optimizer, state included.
+
+`stock_optimizer(optimizer, b)` is the stock optimizer that model `b` of the
+array trains with: the stock class of the same name with model `b`'s
+hyper-parameters as they are now (a learning rate lowered by a callback
+included) and its learning-rate schedule. `copy_state` builds it on a stock
+model's variables and gives it model `b`'s state: step count, slots
+(momentums, velocities, ...), EMA averages, accumulated gradients and loss
+scale. A stock model compiled with it and trained on goes on exactly as
+model `b` would have gone on in the array.
+"""
+
+import keras
+from keras import ops
+
+from hftatf.optimizers.schedules import FusedSchedule
+
+# The fused settings that are per-model floats where the stock ones are
+# optional: 0 turns them off for a model, None does for a stock optimizer.
+_OFF_AT_ZERO = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def stock_optimizer(optimizer, index):
+    """A new, unbuilt stock optimizer that trains as model `index` of the
+    fused `optimizer` trains.
+
+    Raises:
+        TypeError: where the optimizer (or its learning-rate schedule) has
+            no stock Keras form: `Lars`, a subclass of a fused optimizer,
+            `StepDecay`, `LinearWarmup`, or a schedule of the user's own
+            that is not a stock Keras one.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        config = optimizer.get_config()
+        return keras.optimizers.LossScaleOptimizer(
+            stock_optimizer(inner, index),
+            initial_scale=config["initial_scale"],
+            dynamic_growth_steps=config["dynamic_growth_steps"],
+            name=optimizer.name)
+    stock_class = _stock_class(optimizer)
+    config = optimizer.get_config()
+    config.pop("num_models", None)
+    for name in optimizer.hyperparameter_names:
+        value = config[name]
+        if name == "learning_rate" and optimizer._learning_rate_schedules():
+            value = _stock_schedule(optimizer._hyper_values[name], index)
+        elif isinstance(value, list):
+            value = value[index]
+        if name in _OFF_AT_ZERO and value == 0:
+            value = None
+        config[name] = value
+    stock = stock_class.from_config(config)
+    pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    if pattern is not None:
+        stock._exclude_from_weight_decay_pattern = pattern
+        stock._exclude_from_weight_decay_cache = {}
+    return stock
+
+
+def _stock_class(optimizer):
+    name = type(optimizer).__name__
+    stock_class = getattr(keras.optimizers, name, None)
+    if (not type(optimizer).__module__.startswith("hftatf.")
+            or not isinstance(stock_class, type)):
+        raise TypeError(
+            f"Optimizer '{optimizer.name}' ({name}) has no stock Keras "
+            "counterpart"
+            + ("" if type(optimizer).__module__.startswith("hftatf.") else
+               " known to hftatf (it is not one of hftatf.optimizers, whose "
+               "stock forms are the keras.optimizers classes of the same "
+               "name)")
+            + ", so its models cannot be given a stock optimizer.")
+    return stock_class
+
+
+def _stock_schedule(value, index):
+    """Model `index`'s schedule of a fused optimizer's learning rate: one
+    schedule for all models, or a list of them."""
+    schedule = value[index % len(value)] if isinstance(value, list) else value
+    if isinstance(schedule, FusedSchedule):
+        return schedule.stock_schedule(index)
+    stock_class = getattr(keras.optimizers.schedules,
+                          type(schedule).__name__, None)
+    if stock_class is not type(schedule):
+        raise TypeError(
+            f"The learning-rate schedule {schedule!r} is not a "
+            "keras.optimizers.schedules class, so a stock optimizer with "
+            "it would need its code to load.")
+    return stock_class.from_config(schedule.get_config())
+
+
+def copy_state(optimizer, index, stock, variables):
+    """Builds `stock` (from `stock_optimizer(optimizer, index)`) on the
+    stock variables of `variables`, `(fused variable, stock variable)`
+    pairs, and sets its state to model `index`'s.
+
+    Raises:
+        ValueError: if some variable of the stock optimizer has no
+            counterpart in the fused one (the stock state would be wrong).
+    """
+    excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    excluded = getattr(inner, "_exclude_from_weight_decay", None) or excluded
+    if excluded:
+        keys = [s for f, s in variables if inner._var_key(f) in excluded]
+        stock_inner = getattr(stock, "inner_optimizer", stock)
+        stock_inner._exclude_from_weight_decay = {
+            stock_inner._var_key(s) for s in keys}
+    stock.build([s for _, s in variables])
+    if optimizer.built:  # Else its state is the initial one, as `stock`'s.
+        _copy_variables(optimizer, index, stock, variables)
+    return stock
+
+
+def _copy_variables(optimizer, index, stock, variables):
+    """Sets each variable `stock` itself holds (not an inner optimizer's)
+    to model `index`'s value of its counterpart in `optimizer`.
+
+    Slots are found as optimizers keep them, in lists by variable index
+    (`_momentums[i]` is the momentum of variable `i`), under the same
+    attribute in the fused optimizer; their names may repeat (Adafactor
+    names both factors after the variable). The other variables are found
+    under the same attribute (`_u_product`, `dynamic_scale`) or name.
+    """
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        _copy_variables(inner, index, stock.inner_optimizer, variables)
+    done = set()
+    for attribute, slots in vars(stock).items():
+        fused_slots = getattr(optimizer, attribute, None)
+        if not (_is_slot_list(slots, stock)
+                and isinstance(fused_slots, (list, tuple))):
+            continue
+        for fused, variable in variables:
+            slot = slots[stock._get_variable_index(variable)]
+            if slot is not None:
+                source = fused_slots[optimizer._get_variable_index(fused)]
+                slot.assign(_model_value(optimizer, source, index, slot))
+                done.add(id(slot))
+    fused_by_name = {v.name: v for v in optimizer._variables}
+    for variable in stock._variables:
+        if id(variable) in done:
+            continue
+        source = _counterpart(optimizer, stock, variable, fused_by_name)
+        if source is None:
+            raise ValueError(
+                f"Cannot give the stock optimizer '{stock.name}' the state "
+                f"of model {index} of '{optimizer.name}': its variable "
+                f"'{variable.name}' has no counterpart in the fused "
+                "optimizer.")
+        variable.assign(_model_value(optimizer, source, index, variable))
+
+
+def _is_slot_list(value, stock):
+    """Whether `value` is a list of one slot (or None) per variable."""
+    return (isinstance(value, (list, tuple)) and value
+            and value is not stock._variables
+            and value is not stock._trainable_variables
+            and len(value) == len(stock._trainable_variables)
+            and all(v is None or isinstance(v, keras.Variable)
+                    for v in value)
+            and any(v is not None for v in value))
+
+
+def _counterpart(optimizer, stock, variable, fused_by_name):
+    """The fused optimizer's variable (or what to read for it) that holds
+    what the stock non-slot `variable` holds."""
+    if variable is stock._iterations:
+        return "iterations"
+    if variable is getattr(stock, "_learning_rate", None):
+        return "learning_rate"
+    for attribute, value in vars(stock).items():
+        if value is variable and isinstance(
+                getattr(optimizer, attribute, None), keras.Variable):
+            return getattr(optimizer, attribute)
+    return fused_by_name.get(variable.name)
+
+
+def _model_value(optimizer, source, index, variable):
+    if isinstance(source, str) and source == "iterations":
+        # The raw count of steps applied to the model: what a stock
+        # optimizer's `iterations` counts (micro-steps included).
+        counts = getattr(optimizer, "_model_iterations", None)
+        if counts is None:
+            return optimizer.iterations
+        return ops.convert_to_numpy(counts)[index]
+    if isinstance(source, str) and source == "learning_rate":
+        return optimizer.get_hyperparameter("learning_rate")[index]
+    value = ops.convert_to_numpy(source)
+    if value.shape == tuple(variable.shape):
+        return value  # Shared by every model.
+    return value[index]
