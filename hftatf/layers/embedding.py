@@ -9,7 +9,7 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer
+from hftatf.layers.base import FusedLayer, compiling_with_xla
 from hftatf.validation import check_model_axis
 
 __all__ = ["FusedEmbedding"]
@@ -38,10 +38,15 @@ class FusedEmbedding(FusedLayer):
     `embeddings[b]`: one gather on the flattened `[B * input_dim,
     output_dim]` table with the ids of model `b` offset by `b * input_dim`.
     Negative ids count from the end of the model's own table, as in the
-    stock layer; an id out of range of its model's table is sent out of
-    range of the whole flattened table, so it behaves as an out-of-range id
-    does in the stock layer on the same device (an error from TensorFlow's
-    CPU kernel, zeros on GPU) and never reads another model's rows. Each
+    stock layer; an id out of range of its model's table never reads
+    another model's rows. It behaves as an out-of-range id does in the
+    stock layer on the same device: without XLA it is sent out of range of
+    the whole flattened table (an error from TensorFlow's CPU kernel, zeros
+    on GPU); under XLA, where a step cannot raise (and `jit_compile="auto"`
+    compiles an array with XLA on a CPU too), it reads the first or last
+    row of its model's own table, as XLA clamps the stock layer's gather,
+    and its occurrence updates no row, as XLA drops the stock gradient's
+    update out of range. Each
     table slice is initialised as a separate stock `Embedding` would be.
 
     The gradient of `embeddings` is sparse, as the stock layer's is: a
@@ -152,7 +157,14 @@ class FusedEmbedding(FusedLayer):
         offsets = ops.reshape(
             ops.arange(0, size, self.input_dim, dtype=ids.dtype),
             (1, self.num_models) + (1,) * (len(ids.shape) - 2))
-        ids = ops.where(in_range, ids + offsets, size)
+        xla = compiling_with_xla()
+        if xla:
+            # XLA's gather clamps an id out of range of the flattened table
+            # to its last row, another model's: clamp it to the model's own
+            # table, as the stock layer's gather is clamped under XLA.
+            ids = ops.clip(ids, 0, self.input_dim - 1) + offsets
+        else:
+            ids = ops.where(in_range, ids + offsets, size)
         if self.sparse_gradient and self.embeddings_regularizer is None:
             outputs = _look_up(tf.convert_to_tensor(self.embeddings), ids)
         else:
@@ -160,6 +172,11 @@ class FusedEmbedding(FusedLayer):
             # the two, as in the stock layer.
             table = ops.reshape(self.embeddings, (size, self.output_dim))
             outputs = ops.take(table, ids, axis=0)
+        if xla:
+            # ... and, as XLA drops the stock gradient's updates out of
+            # range, a clamped id's occurrence updates no row.
+            outputs = ops.where(ops.expand_dims(in_range, -1), outputs,
+                                ops.stop_gradient(outputs))
         return ops.cast(outputs, dtype=self.compute_dtype)
 
     def compute_mask(self, inputs, mask=None):

@@ -15,6 +15,7 @@ from testing import (
     stock_and_fused_embeddings,
 )
 
+from hftatf import optimizers
 from hftatf.layers import FusedEmbedding, registry
 
 BATCH = 4
@@ -69,6 +70,47 @@ def test_matches_stock_under_xla():
     y = tf.function(fused, jit_compile=True)(ids).numpy()
     for b in range(3):
         assert_close(y[:, b], stock[b](ids[:, b]))
+
+
+def test_out_of_range_ids_under_xla_stay_in_their_models_table():
+    """Under XLA (the array's default on a CPU) no step can raise: as the
+    stock layer under XLA, an id out of range reads the first or last row
+    of its model's own table and its occurrence updates no row, and a
+    model of the array trains as the stock model compiled with XLA."""
+    rng = np.random.default_rng(4)
+    num_models = 3
+    stock, fused = stock_and_fused(num_models, rng)
+    ids = rng.integers(0, VOCAB, (BATCH, num_models, 5)).astype("int32")
+    ids[:, :, 0] = [VOCAB, -VOCAB - 1, 2 * VOCAB]
+    ids[:, :, 1] = ids[:, :, 3]  # in range, and repeated
+    targets = rng.standard_normal((BATCH, num_models, 5, DIM)).astype(
+        "float32")
+
+    def train(layer, ids, targets):
+        optimizer = (keras.optimizers.Adam(0.1) if layer in stock else
+                     optimizers.Adam(0.1))
+
+        @tf.function(jit_compile=True)
+        def step(ids, targets):
+            with tf.GradientTape() as tape:
+                outputs = layer(ids)
+                loss = tf.reduce_sum((outputs - targets) ** 2)
+            grads = tape.gradient(loss, layer.trainable_weights)
+            optimizer.apply(grads, layer.trainable_weights)
+            return outputs
+
+        return step(ids, targets).numpy()
+
+    tables = [layer.get_weights()[0] for layer in stock]
+    outputs = train(fused, ids, targets)
+    for b, layer in enumerate(stock):
+        # The stock lookup under XLA: clamped to the model's own table.
+        clamped = np.clip(np.where(ids[:, b] < 0, ids[:, b] + VOCAB,
+                                   ids[:, b]), 0, VOCAB - 1)
+        assert_close(outputs[:, b], tables[b][clamped], atol=0, rtol=0)
+        assert_close(outputs[:, b], train(layer, ids[:, b], targets[:, b]))
+        assert_close(fused.get_weights()[0][b], layer.get_weights()[0],
+                     err_msg=f"model {b}")
 
 
 @pytest.mark.parametrize("inner_shape", [(5,), (2, 5)],
