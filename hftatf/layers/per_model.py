@@ -32,6 +32,7 @@ from keras.src.layers.convolutional.base_separable_conv import (
 )
 from tensorflow.python.trackable.resource import CapturableResource
 
+from hftatf import sparse
 from hftatf.api import hftatf_export
 from hftatf.layers import objects, registry
 from hftatf.layers.base import FusedLayer, Modelwise, model_pieces, stack_models
@@ -492,6 +493,13 @@ class FusedPerModel(FusedLayer):
         weights = layer.weights
         values = [v.value for v in self._stacked]
         trainable = {id(w) for w in weights if w.trainable}
+        # A trainable weight's slice keeps a sparse gradient (an inner
+        # Embedding's) sparse, as it is in the stock model. Not for a layer
+        # called more than once (a tied embedding, looked up in one call
+        # and multiplied in another), whose calls' gradients TensorFlow
+        # adds: a dense one of `[B, ...]` to a sparse one of the rows.
+        sparse_slices = set() if len(self._inbound_nodes) > 1 else {
+            id(w) for w in weights if w.trainable and len(w.shape) > 0}
         states = _random_states(layer)
         carried = [g.state.value for g in self._seeds]
         own = {id(v) for v in weights + states}
@@ -504,7 +512,9 @@ class FusedPerModel(FusedLayer):
                                                 [p[b] for p in pieces])
                 if training is not None and layer._call_has_training_arg:
                     kwargs["training"] = training
-                mapping = ([(w, v[b]) for w, v in zip(weights, values)]
+                mapping = ([(w, sparse.model_slice(v, b)
+                             if id(w) in sparse_slices else v[b])
+                            for w, v in zip(weights, values)]
                            + list(zip(states, carried)))
                 mapping += [(v, value) for v, value in outside.values()]
                 with _ModelScope(mapping, trainable) as scope:

@@ -7,6 +7,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from keras import layers, ops
 from testing import assert_close, trains_like_stock
 
@@ -126,6 +127,71 @@ def test_keras_io_text_transformer_trains_like_its_stock_twins():
     trains_like_stock(model, tokens(rng),
                       rng.standard_normal((8, 2)).astype("float32"),
                       NUM_MODELS)
+
+
+@pytest.mark.parametrize("jit_compile,models_per_pass", [
+    (False, None), (True, None), (True, 1)], ids=["tf", "xla", "passes"])
+def test_an_embedding_inside_keeps_its_sparse_gradient(jit_compile,
+                                                       models_per_pass):
+    """Adam squares each occurrence of a repeated id's gradient in a stock
+    Embedding's sparse gradient; run per model, the table's gradient must
+    stay sparse for each model to train as its stock twin."""
+    rng = np.random.default_rng(0)
+    # (Without attention, whose key bias has a zero gradient in exact
+    # arithmetic: Adam would scale up its float noise, XLA's or not.)
+    inputs = keras.Input((6,), dtype="int32")
+    hidden = TokenAndPositionEmbedding(6, 20, 8, name="embedding")(inputs)
+    hidden = layers.GlobalAveragePooling1D()(hidden)
+    model = keras.Model(inputs, layers.Dense(2)(hidden))
+    array = hftatf.fuse(model, NUM_MODELS)
+    stock = array.unfuse(compile=False)
+    # Few ids, each repeated within and across samples.
+    x = rng.integers(0, 3, (8, 6)).astype("int32")
+    y = rng.standard_normal((8, 2)).astype("float32")
+    table = array.get_layer("embedding").weights[0]
+    with tf.GradientTape() as tape:
+        loss = ops.sum(ops.square(array(x) - y[:, None]))
+    assert isinstance(tape.gradient(loss, table), tf.IndexedSlices)
+    array.compile(hftatf.optimizers.Adam(0.05), loss="mse",
+                  jit_compile=jit_compile, models_per_pass=models_per_pass)
+    array.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    trained = array.unfuse(compile=False)
+    for b, twin in enumerate(stock):
+        twin.compile(keras.optimizers.Adam(0.05), loss="mse")
+        twin.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        for got, want in zip(trained[b].get_weights(), twin.get_weights()):
+            assert_close(got, want, err_msg=f"model {b}")
+
+
+class TiedEmbedding(layers.Layer):
+    """Looks ids up and projects back onto the same table in one call: the
+    table's gradient is dense in the stock model."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = layers.Embedding(20, 4)
+
+    def call(self, ids):
+        return ops.matmul(ops.tanh(self.table(ids)),
+                          ops.transpose(self.table.embeddings))
+
+
+def test_a_table_used_densely_in_the_same_call_trains_like_stock():
+    rng = np.random.default_rng(1)
+    inputs = keras.Input((5,), dtype="int32")
+    model = keras.Model(inputs, TiedEmbedding()(inputs))
+    array = hftatf.fuse(model, NUM_MODELS)
+    stock = array.unfuse(compile=False)
+    x = rng.integers(0, 3, (4, 5)).astype("int32")
+    y = rng.standard_normal((4, 5, 20)).astype("float32")
+    array.compile(hftatf.optimizers.Adam(0.05), loss="mse")
+    array.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    trained = array.unfuse(compile=False)
+    for b, twin in enumerate(stock):
+        twin.compile(keras.optimizers.Adam(0.05), loss="mse")
+        twin.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+        assert_close(trained[b].get_weights()[0], twin.get_weights()[0],
+                     err_msg=f"model {b}")
 
 
 def test_moving_statistics_losses_and_subclasses_train_like_stock():
