@@ -880,9 +880,14 @@ class FusedModel(keras.Model):
         antialiasing or padding to an aspect ratio, and mixing
         augmentations that draw from a Gamma distribution or transform
         with dynamic shapes. Stock Keras fails on them with
-        `jit_compile=True` too; `"auto"` leaves XLA off for them."""
+        `jit_compile=True` too; `"auto"` leaves XLA off for them. Also
+        `UpSampling2D` other than nearest, which resizes to a size computed
+        in the graph: XLA's resize then computes other values than
+        TensorFlow's (stock Keras too, off by as much as the values)."""
         return any(
             type(layer).__name__ in _LAYERS_WITHOUT_XLA
+            or (isinstance(layer, keras.layers.UpSampling2D)
+                and layer.interpolation != "nearest")
             or getattr(layer, "interpolation", "bilinear") not in (
                 "nearest", "bilinear")
             or getattr(layer, "antialias", False)

@@ -275,6 +275,8 @@ def test_auto_jit_compile_on_cpu_skips_convolutions(layer, expected):
     (lambda: keras.layers.Resizing(4, 4, interpolation="bicubic"), False),
     (lambda: keras.layers.MixUp(), False),
     (lambda: keras.layers.Resizing(4, 4), True),
+    (lambda: keras.layers.UpSampling2D(interpolation="bilinear"), False),
+    (lambda: keras.layers.UpSampling2D(), True),
 ])
 def test_auto_jit_compile_leaves_layers_without_xla_kernels(layer, expected):
     # They say they support XLA, but XLA cannot compile their operations:
@@ -288,6 +290,24 @@ def test_auto_jit_compile_leaves_layers_without_xla_kernels(layer, expected):
     rng = np.random.default_rng(0)
     array.fit(rng.normal(size=(4, 6, 6, 2)).astype("float32"),
               rng.normal(size=(4, 1)).astype("float32"), verbose=0)
+
+
+@pytest.mark.parametrize("data_format", ["channels_last", "channels_first"])
+def test_bilinear_upsampling_computes_as_the_stock_model(data_format):
+    # Under XLA, a bilinear UpSampling2D (which resizes to a size computed
+    # in the graph) is off by as much as its values; stock Keras on a CPU
+    # runs without XLA, and so must the array by default.
+    inputs = keras.Input((3, 4, 3))
+    hidden = keras.layers.Dense(3)(inputs)
+    model = keras.Model(inputs, keras.layers.UpSampling2D(
+        (2, 3), data_format=data_format,
+        interpolation="bilinear")(hidden))
+    array = hftatf.fuse(model, 2)
+    array.compile("sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(2, 3, 4, 3)).astype("float32")
+    outputs = array.predict(x, verbose=0)
+    for b, stock in enumerate(array.unfuse(compile=False)):
+        assert_close(outputs[:, b], stock.predict(x, verbose=0))
 
 
 @pytest.mark.gpu
