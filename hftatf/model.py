@@ -130,11 +130,26 @@ class _DivergenceReport(keras.callbacks.Callback):
         for index in np.flatnonzero(model.diverged_models):
             if index not in model._reported_divergence:
                 model._reported_divergence.add(int(index))
-                logging.warning(
-                    "Model %d of array '%s' diverged at step %d (non-finite "
-                    "loss or gradient). It is frozen with its last finite "
-                    "weights and its loss is logged as NaN; the other models "
-                    "train on.", index, model.name, int(steps[index]))
+                if all(np.all(np.isfinite(w))
+                       for w in model.get_model_weights(index)):
+                    logging.warning(
+                        "Model %d of array '%s' diverged at step %d "
+                        "(non-finite loss or gradient). It is frozen with "
+                        "its last finite weights and its loss is logged as "
+                        "NaN; the other models train on.", index,
+                        model.name, int(steps[index]))
+                else:
+                    # Only the losses and gradients are checked each step:
+                    # an update that turned finite ones into non-finite
+                    # weights shows at the next step's loss.
+                    logging.warning(
+                        "Model %d of array '%s' diverged at step %d: its "
+                        "weights are not finite, though its loss and "
+                        "gradients were until then, so its optimizer's "
+                        "update made them so (a hyper-parameter out of "
+                        "range?). It is frozen as it is and its loss is "
+                        "logged as NaN; the other models train on.", index,
+                        model.name, int(steps[index]))
 
 
 # Stock callbacks that read (or set) one learning rate, where an array's
@@ -1720,7 +1735,12 @@ class FusedModel(keras.Model):
         self._status.active.assign(active)
 
     def _check_indices(self, indices):
-        indices = [indices] if isinstance(indices, int) else list(indices)
+        # One index (a NumPy one too: `np.argmin(losses)`) or several.
+        indices = [indices] if isinstance(indices, (int, np.integer)) or (
+            isinstance(indices, np.ndarray) and indices.ndim == 0) else (
+            list(indices))
+        indices = [i.item() if isinstance(i, np.ndarray) and i.ndim == 0
+                   else i for i in indices]
         for index in indices:
             if isinstance(index, bool) or not isinstance(
                     index, (int, np.integer)) or not (

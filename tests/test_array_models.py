@@ -82,6 +82,23 @@ def test_a_diverging_model_does_not_touch_the_others(make_optimizer,
     assert len(messages) == 1 and "Model 0" in messages[0]
 
 
+def test_an_update_that_makes_weights_non_finite_is_reported_as_such(
+        caplog):
+    # An infinite rate turns model 0's finite gradients into infinite
+    # weights: its loss shows it a step later, and the report must not
+    # claim last finite weights.
+    array = array_with(hftatf.optimizers.SGD([float("inf"), 0.02, 0.03]),
+                       jit_compile=False)
+    with caplog.at_level(logging.WARNING):
+        fit(array, epochs=1)
+    assert list(array.diverged_models) == [True, False, False]
+    messages = [r.getMessage() for r in caplog.records
+                if "diverged" in r.getMessage()]
+    assert len(messages) == 1 and "Model 0" in messages[0]
+    assert "optimizer's update made them so" in messages[0]
+    assert "last finite" not in messages[0]
+
+
 @JIT_COMPILE
 def test_a_frozen_model_keeps_its_weights_and_optimizer_state(jit_compile):
     array = array_with(hftatf.optimizers.Adam([0.01, 0.02, 0.03]),
@@ -133,6 +150,13 @@ def test_model_indices_are_checked():
             array.freeze_models(bad)
     with pytest.raises(ValueError, match="per-model shape"):
         array.set_model_weights(0, [np.zeros((1,))] * len(array.weights))
+    # A NumPy index, as `np.argmin` of the models' losses gives one.
+    for index in (np.int64(2), np.array(2)):
+        for ours, theirs in zip(array.get_model_weights(index),
+                                array.get_model_weights(2)):
+            np.testing.assert_array_equal(ours, theirs)
+    array.freeze_models(np.array([0, 2]))
+    assert list(array.active_models) == [False, True, False]
 
 
 def test_set_model_weights_changes_one_model_only():
