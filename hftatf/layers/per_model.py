@@ -497,9 +497,11 @@ class FusedPerModel(FusedLayer):
         # Embedding's) sparse, as it is in the stock model. Not for a layer
         # called more than once (a tied embedding, looked up in one call
         # and multiplied in another), whose calls' gradients TensorFlow
-        # adds: a dense one of `[B, ...]` to a sparse one of the rows.
+        # adds: a dense one of `[B, ...]` to a sparse one of the rows; nor
+        # for a regularized weight, whose penalty's gradient is dense.
         sparse_slices = set() if len(self._inbound_nodes) > 1 else {
-            id(w) for w in weights if w.trainable and len(w.shape) > 0}
+            id(w) for w in weights if w.trainable and len(w.shape) > 0
+            and getattr(w, "regularizer", None) is None}
         states = _random_states(layer)
         carried = [g.state.value for g in self._seeds]
         own = {id(v) for v in weights + states}

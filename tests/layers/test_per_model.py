@@ -194,6 +194,27 @@ def test_a_table_used_densely_in_the_same_call_trains_like_stock():
                      err_msg=f"model {b}")
 
 
+class RegularizedTable(layers.Layer):
+    """An Embedding whose penalty's gradient (dense) joins the lookup's."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.table = layers.Embedding(
+            20, 4, embeddings_regularizer=keras.regularizers.L2(0.01))
+
+    def call(self, ids):
+        return ops.mean(self.table(ids), axis=1)
+
+
+def test_a_regularized_table_inside_trains_like_stock():
+    rng = np.random.default_rng(2)
+    inputs = keras.Input((5,), dtype="int32")
+    model = keras.Model(inputs, layers.Dense(2)(RegularizedTable()(inputs)))
+    trains_like_stock(model, rng.integers(0, 20, (8, 5)).astype("int32"),
+                      rng.standard_normal((8, 2)).astype("float32"),
+                      NUM_MODELS)
+
+
 def test_moving_statistics_losses_and_subclasses_train_like_stock():
     rng = np.random.default_rng(1)
     x = rng.standard_normal((8, 5)).astype("float32")
