@@ -577,7 +577,10 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         if self.weight_decay is None:
             return
         for variable in variables:
-            if self._use_weight_decay(variable):
+            # As the stock optimizer on TensorFlow: an exclusion pattern is
+            # matched against the TensorFlow variable's name, its path
+            # ("logits/kernel:0"), so a pattern may name a layer.
+            if self._use_weight_decay(_unwrap(variable)):
                 learning_rate = self._per_model(self.learning_rate, variable)
                 weight_decay = self._hyper("weight_decay", variable)
                 self.assign_sub(variable,

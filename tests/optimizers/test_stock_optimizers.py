@@ -147,6 +147,26 @@ def test_weight_decay_exclusions_carry_over():
     assert_trains_on_as_the_array(array, array.unfuse(), *data())
 
 
+def test_an_exclusion_pattern_may_name_a_layer():
+    # The stock optimizer on TensorFlow matches a pattern against the
+    # variable's path ("logits/kernel:0"), not its name alone.
+    array = hftatf.fuse(model(), num_models=B)
+    stock = array.unfuse(compile=False)
+    optimizer = optimizers.SGD(0.1, weight_decay=[0.5, 0.3])
+    optimizer.exclude_from_weight_decay(var_names=["logits"])
+    array.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    fit(array, *data())
+    for b, twin in enumerate(stock):
+        stock_optimizer = keras.optimizers.SGD(0.1,
+                                               weight_decay=[0.5, 0.3][b])
+        stock_optimizer.exclude_from_weight_decay(var_names=["logits"])
+        twin.compile(optimizer=stock_optimizer, loss=LOSS)
+        fit(twin, *data())
+        for got, want in zip(array.unfuse(compile=False)[b].get_weights(),
+                             twin.get_weights()):
+            assert_close(got, want, err_msg=f"model {b}")
+
+
 def test_compiled_like_the_array():
     array = trained_array(
         optimizers.SGD(0.1), metrics=["accuracy"],
