@@ -446,6 +446,17 @@ class FusedPerModel(FusedLayer):
             for index, weight in enumerate(template.weights):
                 self._stacked.append(self._stack_weight(
                     weight, [copy.weights[index] for copy in copies]))
+            stateful = [inner.name for inner in template._flatten_layers()
+                        if getattr(inner, "stateful", False)]
+            if stateful:
+                # Its states are variables outside the layer's weights,
+                # which the call would carry from one model to the next.
+                raise ValueError(
+                    f"hftatf cannot fuse layer '{template.name}' "
+                    f"({type(template).__name__}) per model: it holds the "
+                    f"stateful layer '{stateful[0]}', whose state the "
+                    "models would share. Use the stateful RNN in the model "
+                    "itself, where the array keeps a state per model.")
             for state in _random_states(template):
                 generator = keras.random.SeedGenerator(
                     0, name="seed_generator")

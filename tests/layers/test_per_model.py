@@ -494,6 +494,27 @@ def test_layers_with_state_outside_keras_variables_are_refused():
         registry.fused_form(lookup)
 
 
+class StatefulBlock(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.rnn = layers.SimpleRNN(4, stateful=True)
+
+    def build(self, input_shape):
+        self.rnn.build(input_shape)
+
+    def call(self, x):
+        return self.rnn(x)
+
+
+def test_a_stateful_layer_inside_is_refused():
+    # Its state is no weight: one model's final state would be the next
+    # model's initial one (model 1 was 0.26 off its stock twin).
+    inputs = keras.Input((5, 3), batch_size=4)
+    model = keras.Model(inputs, StatefulBlock(name="block")(inputs))
+    with pytest.raises(ValueError, match="'block'.*stateful layer"):
+        hftatf.fuse(model, 2)
+
+
 class AdaptedNormalization(layers.Normalization):
     """A Normalization of one's own: run per model, it derives its mean
     and variance from its weights in the stock `finalize_state`."""
