@@ -19,6 +19,11 @@ from hftatf.optimizers.schedules import FusedSchedule
 # optional: 0 turns them off for a model, None does for a stock optimizer.
 _OFF_AT_ZERO = ("clipnorm", "clipvalue", "global_clipnorm")
 
+# What a stock optimizer's step count and learning-rate variable are set
+# from: model b's own count and current rate.
+_ITERATIONS = object()
+_LEARNING_RATE = object()
+
 
 def stock_optimizer(optimizer, index):
     """A new, unbuilt stock optimizer that trains as model `index` of the
@@ -27,8 +32,8 @@ def stock_optimizer(optimizer, index):
     Raises:
         TypeError: where the optimizer (or its learning-rate schedule) has
             no stock Keras form: `Lars`, a subclass of a fused optimizer,
-            `StepDecay`, `LinearWarmup`, or a schedule of the user's own
-            that is not a stock Keras one.
+            `LinearWarmup`, or a schedule of the user's own that is not a
+            stock Keras one.
     """
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
@@ -59,18 +64,17 @@ def stock_optimizer(optimizer, index):
 
 
 def _stock_class(optimizer):
+    """The keras.optimizers class of an hftatf optimizer's name; a subclass
+    of one (another update, perhaps) has none."""
     name = type(optimizer).__name__
     stock_class = getattr(keras.optimizers, name, None)
     if (not type(optimizer).__module__.startswith("hftatf.")
             or not isinstance(stock_class, type)):
         raise TypeError(
             f"Optimizer '{optimizer.name}' ({name}) has no stock Keras "
-            "counterpart"
-            + ("" if type(optimizer).__module__.startswith("hftatf.") else
-               " known to hftatf (it is not one of hftatf.optimizers, whose "
-               "stock forms are the keras.optimizers classes of the same "
-               "name)")
-            + ", so its models cannot be given a stock optimizer.")
+            "counterpart (those of hftatf.optimizers are the "
+            "keras.optimizers classes of the same names), so its models "
+            "cannot be given a stock optimizer.")
     return stock_class
 
 
@@ -99,9 +103,8 @@ def copy_state(optimizer, index, stock, variables):
         ValueError: if some variable of the stock optimizer has no
             counterpart in the fused one (the stock state would be wrong).
     """
-    excluded = getattr(optimizer, "_exclude_from_weight_decay", None)
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    excluded = getattr(inner, "_exclude_from_weight_decay", None) or excluded
+    excluded = getattr(inner, "_exclude_from_weight_decay", None)
     if excluded:
         keys = [s for f, s in variables if inner._var_key(f) in excluded]
         stock_inner = getattr(stock, "inner_optimizer", stock)
@@ -167,9 +170,9 @@ def _counterpart(optimizer, stock, variable, fused_by_name):
     """The fused optimizer's variable (or what to read for it) that holds
     what the stock non-slot `variable` holds."""
     if variable is stock._iterations:
-        return "iterations"
+        return _ITERATIONS
     if variable is getattr(stock, "_learning_rate", None):
-        return "learning_rate"
+        return _LEARNING_RATE
     for attribute, value in vars(stock).items():
         if value is variable and isinstance(
                 getattr(optimizer, attribute, None), keras.Variable):
@@ -178,14 +181,14 @@ def _counterpart(optimizer, stock, variable, fused_by_name):
 
 
 def _model_value(optimizer, source, index, variable):
-    if isinstance(source, str) and source == "iterations":
+    if source is _ITERATIONS:
         # The raw count of steps applied to the model: what a stock
         # optimizer's `iterations` counts (micro-steps included).
         counts = getattr(optimizer, "_model_iterations", None)
         if counts is None:
             return optimizer.iterations
         return ops.convert_to_numpy(counts)[index]
-    if isinstance(source, str) and source == "learning_rate":
+    if source is _LEARNING_RATE:
         return optimizer.get_hyperparameter("learning_rate")[index]
     value = ops.convert_to_numpy(source)
     if value.shape == tuple(variable.shape):
