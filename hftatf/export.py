@@ -281,7 +281,7 @@ def _move_into_place(source, target, staging):
 # -- reading an export back -------------------------------------------------
 
 
-def load_models(directory, custom_objects=None):
+def load_models(directory, custom_objects=None, compile=False):
     """Returns the plain Keras models written by `export_models`.
 
     Args:
@@ -289,6 +289,11 @@ def load_models(directory, custom_objects=None):
         custom_objects: as for `keras.models.load_model`: the functions and
             classes of your own that the models use and that are not
             registered with Keras (`{"name": object}`).
+        compile: as for `keras.models.load_model`: True gives each model
+            compiled as it was saved (with its own optimizer and that
+            optimizer's state, where the array was compiled), ready to
+            train on. A model exported without a `.keras` file (read from
+            its checkpoint) is uncompiled either way.
 
     Returns:
         A list of B `keras.Model`s in the order of the array's models, with
@@ -297,7 +302,8 @@ def load_models(directory, custom_objects=None):
         wrote none, from the checkpoint and `config.json`.
     """
     directory = pathlib.Path(directory)
-    return [load_exported_model(directory / entry["path"], custom_objects)
+    return [load_exported_model(directory / entry["path"], custom_objects,
+                                compile=compile)
             for entry in _read_index(directory)]
 
 
@@ -336,7 +342,7 @@ def _read_index(directory):
     return entries
 
 
-def load_exported_model(path, custom_objects=None):
+def load_exported_model(path, custom_objects=None, compile=False):
     """Returns the plain Keras model, with its weights, stored at `path`.
 
     Args:
@@ -344,7 +350,7 @@ def load_exported_model(path, custom_objects=None):
             `export_models`; or the `saved_model/` directory inside one
             (its weights are read from the `.keras` file or the checkpoint
             next to it).
-        custom_objects: as for `load_models`.
+        custom_objects, compile: as for `load_models`.
 
     Raises:
         ValueError: for a SavedModel without a Keras model next to it
@@ -355,7 +361,7 @@ def load_exported_model(path, custom_objects=None):
     if path.is_file():
         if path.suffix in (".keras", ".h5", ".hdf5"):
             return keras.models.load_model(
-                path, custom_objects=custom_objects, compile=False)
+                path, custom_objects=custom_objects, compile=compile)
         raise ValueError(
             f"Cannot load a Keras model from file '{path}': expected a "
             "`.keras` file (or a legacy `.h5` one) or a model directory "
@@ -372,7 +378,7 @@ def load_exported_model(path, custom_objects=None):
         if (candidate / KERAS_FILE).is_file():
             return keras.models.load_model(
                 candidate / KERAS_FILE, custom_objects=custom_objects,
-                compile=False)
+                compile=compile)
         checkpoint = candidate / CHECKPOINT_PREFIX
         if (candidate / CONFIG_FILE).is_file() and pathlib.Path(
                 f"{checkpoint}.index").is_file():

@@ -239,6 +239,15 @@ def test_export_and_checkpoint_files_train_on(tmp_path):
     assert_trains_on_as_the_array(array, saved, *data())
 
 
+def test_load_models_compiled_trains_on(tmp_path):
+    array = trained_array(optimizers.Adam([0.02, 0.01]))
+    array.export_models(tmp_path, format=("keras", "checkpoint"))
+    assert not any(m.compiled for m in hftatf.load_models(tmp_path))
+    loaded = hftatf.load_models(tmp_path, compile=True)
+    assert all(int(m.optimizer.iterations) == 3 for m in loaded)
+    assert_trains_on_as_the_array(array, loaded, *data())
+
+
 def test_uncompiled_where_asked_or_not_compiled():
     assert not any(m.compiled for m in hftatf.fuse(
         model(), num_models=B).unfuse())
