@@ -179,8 +179,8 @@ def export_models(array, directory, history=None, format=FORMATS):
             path = staging / f"model_{b}"
             files = _write_model(
                 model, path, formats,
-                compile=compiles and functools.partial(
-                    compile_stock_model, array, b))
+                compile=functools.partial(compile_stock_model, array, b)
+                if compiles else None)
             metadata = _finite({
                 "index": b,
                 "num_models": array.num_models,
@@ -240,7 +240,7 @@ def _write_model(model, path, formats, compile=None):
         tf.train.Checkpoint(model=model).write(str(path / CHECKPOINT_PREFIX))
         files["checkpoint"] = CHECKPOINT_PREFIX
     if "keras" in formats:
-        if compile:
+        if compile is not None:
             compile(model)
         model.save(path / KERAS_FILE)
         files["keras"] = KERAS_FILE

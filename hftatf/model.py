@@ -132,24 +132,21 @@ class _DivergenceReport(keras.callbacks.Callback):
                 model._reported_divergence.add(int(index))
                 if all(np.all(np.isfinite(w))
                        for w in model.get_model_weights(index)):
-                    logging.warning(
-                        "Model %d of array '%s' diverged at step %d "
-                        "(non-finite loss or gradient). It is frozen with "
-                        "its last finite weights and its loss is logged as "
-                        "NaN; the other models train on.", index,
-                        model.name, int(steps[index]))
+                    how = (" (non-finite loss or gradient). It is frozen "
+                           "with its last finite weights")
                 else:
                     # Only the losses and gradients are checked each step:
                     # an update that turned finite ones into non-finite
                     # weights shows at the next step's loss.
-                    logging.warning(
-                        "Model %d of array '%s' diverged at step %d: its "
-                        "weights are not finite, though its loss and "
-                        "gradients were until then, so its optimizer's "
-                        "update made them so (a hyper-parameter out of "
-                        "range?). It is frozen as it is and its loss is "
-                        "logged as NaN; the other models train on.", index,
-                        model.name, int(steps[index]))
+                    how = (": its weights are not finite, though its loss "
+                           "and gradients were until then, so its "
+                           "optimizer's update made them so (a "
+                           "hyper-parameter out of range?). It is frozen "
+                           "as it is")
+                logging.warning(
+                    "Model %d of array '%s' diverged at step %d%s and its "
+                    "loss is logged as NaN; the other models train on.",
+                    index, model.name, int(steps[index]), how)
 
 
 # Stock callbacks that read (or set) one learning rate, where an array's
@@ -1736,11 +1733,9 @@ class FusedModel(keras.Model):
 
     def _check_indices(self, indices):
         # One index (a NumPy one too: `np.argmin(losses)`) or several.
-        indices = [indices] if isinstance(indices, (int, np.integer)) or (
-            isinstance(indices, np.ndarray) and indices.ndim == 0) else (
-            list(indices))
-        indices = [i.item() if isinstance(i, np.ndarray) and i.ndim == 0
-                   else i for i in indices]
+        if np.ndim(indices) == 0:
+            indices = [np.asarray(indices).item()]
+        indices = list(indices)
         for index in indices:
             if isinstance(index, bool) or not isinstance(
                     index, (int, np.integer)) or not (
