@@ -39,13 +39,15 @@ setuptools.setup(
     extras_require={
         "data": ["scikit-learn>=1.4"],
         "plot": ["matplotlib>=3.8"],
-        "bench": ["matplotlib>=3.8"],
+        # `benchmarks.kernels` times the fused XLA programs through JAX.
+        "bench": ["matplotlib>=3.8", "jax>=0.4.30"],
         # `hftatf-train --config_file` reads YAML with it.
         "tpu": ["pyyaml>=5.1"],
         # `hftatf.tuning`: keras-tuner tuners that train arrays.
         "tune": ["keras-tuner>=1.4,<2", "pyyaml>=5.1"],
         "dev": ["pytest>=8", "pytest-xdist>=3.5,<4", "ruff>=0.6",
-                "scikit-learn>=1.4", "pyyaml>=5.1", "keras-tuner>=1.4,<2"],
+                "scikit-learn>=1.4", "pyyaml>=5.1", "keras-tuner>=1.4,<2",
+                "jax>=0.4.30"],
     },
     entry_points={
         "console_scripts": ["hftatf-train = hftatf.tpu.train:run",
