@@ -394,13 +394,6 @@ def _check_log_names(per_model, num_models):
             "`keras.metrics.AUC(curve='PR', name='pr_auc')`.")
 
 
-def _expand_to(values, reference):
-    """Appends unit axes to `values` up to the rank of `reference`."""
-    return ops.reshape(values, (*ops.shape(values),
-                                *(1,) * (len(reference.shape)
-                                         - len(values.shape))))
-
-
 def _with_output_attributes(forward):
     """`forward` (returning `(y_pred, ...)`), returning the masks and the
     logits Keras keeps on the outputs as results of their own: a
@@ -1088,11 +1081,15 @@ class FusedModel(keras.Model):
         inside = (ids >= 0) & (ids < len(self._class_weight))
         weights = ops.where(inside, ops.take(
             table, ops.clip(ids, 0, len(self._class_weight) - 1)), 1.0)
-        if sample_weight is None:
-            return weights
-        return keras.tree.map_structure(
-            lambda w: ops.cast(w, "float32") * _expand_to(weights, w),
-            sample_weight)
+        if sample_weight is not None:
+            # `fit` refuses both keywords; sample weights may also come
+            # inside the data (`(x, y, sample_weight)` from a dataset, a
+            # generator or a PyDataset), which stock Keras refuses too.
+            raise ValueError(
+                "`class_weight` and sample weights cannot both be given, as "
+                "in Keras: the data yields sample weights (x, y, "
+                "sample_weight). Fold the class weights into them.")
+        return weights
 
     def compute_model_losses(self, x=None, y=None, y_pred=None,
                              sample_weight=None, training=True):

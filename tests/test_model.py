@@ -404,6 +404,42 @@ def test_evaluate_lists_each_log_once():
                   verbose=0)
 
 
+class _WeightedBatches(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        rows = slice(8 * index, 8 * (index + 1))
+        return self.x[rows], self.y[rows], np.full(8, 2.0, "float32")
+
+
+@pytest.mark.parametrize("source", ["dataset", "generator", "py_dataset"])
+def test_class_weight_with_sample_weights_inside_the_data_is_refused(source):
+    # As stock Keras refuses it: the two would be multiplied silently.
+    array = sgd_classifier_array()
+    x, y = data(16)
+    weights = np.full(16, 2.0, "float32")
+
+    def batches():
+        while True:
+            yield x[:8], y[:8], weights[:8]
+
+    inputs = {
+        "dataset": lambda: {"x": tf.data.Dataset.from_tensor_slices(
+            (x, y, weights)).batch(8)},
+        "generator": lambda: {"x": batches(), "steps_per_epoch": 2},
+        "py_dataset": lambda: {"x": _WeightedBatches(x, y)},
+    }[source]()
+    with pytest.raises(ValueError, match="class_weight.*sample weights"):
+        array.fit(class_weight={0: 2.0}, verbose=0, **inputs)
+    # The same data without class weights trains.
+    array.fit(verbose=0, **inputs)
+
+
 def two_outputs():
     x = keras.Input((6,))
     h = keras.layers.Dense(5, activation="relu")(x)
