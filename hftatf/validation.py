@@ -22,6 +22,19 @@ def check_num_models(num_models):
     return int(num_models)
 
 
+def shared(name, value):
+    """Returns `value`, an argument that every model of an array shares (a
+    flag, a count); raises a ValueError for a sequence, which elsewhere in
+    hftatf means one value per model."""
+    if isinstance(value, (list, tuple)) or (
+            hasattr(value, "shape") and len(value.shape) > 0):
+        raise ValueError(
+            f"`{name}` is shared by all models of an array: give one value, "
+            f"not one per model. Received: {name}={value!r}. Models that "
+            f"need different `{name}` train in arrays of their own.")
+    return value
+
+
 def model_axis_of(models_first):
     """The model axis of fused activations: 0 with the models first
     (`[B, batch, ...]`), else 1 (`[batch, B, ...]`)."""

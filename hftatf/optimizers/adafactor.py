@@ -9,6 +9,7 @@ from hftatf.api import hftatf_export
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.lamb import check_required
+from hftatf.validation import shared
 
 __all__ = ["Adafactor"]
 
@@ -71,7 +72,7 @@ class Adafactor(FusedOptimizer):
                              "clip_threshold": clip_threshold},
             **kwargs,
         )
-        self.relative_step = bool(relative_step)
+        self.relative_step = bool(shared("relative_step", relative_step))
 
     def build(self, variables):
         if self.built:

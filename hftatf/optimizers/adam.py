@@ -4,6 +4,7 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.validation import shared
 
 
 def adam_step(optimizer, gradient, variable, lr, m, v, betas, epsilon,
@@ -67,7 +68,7 @@ class Adam(FusedOptimizer):
                              "epsilon": epsilon},
             **kwargs,
         )
-        self.amsgrad = bool(amsgrad)
+        self.amsgrad = bool(shared("amsgrad", amsgrad))
 
     def build(self, variables):
         if self.built:

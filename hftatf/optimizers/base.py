@@ -30,7 +30,7 @@ from tensorflow.python.ops import control_flow_util
 
 from hftatf import sparse
 from hftatf.layers.base import broadcast_to_models
-from hftatf.validation import check_num_models
+from hftatf.validation import check_num_models, shared
 
 Schedule = keras.optimizers.schedules.LearningRateSchedule
 
@@ -117,6 +117,9 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         num_models=None,
         **kwargs,
     ):
+        for name in ("loss_scale_factor", "gradient_accumulation_steps",
+                     "ema_overwrite_frequency", "use_ema"):
+            shared(name, kwargs.get(name))
         values = {"learning_rate": learning_rate}
         values.update(hyperparameters or {})
         values.update(weight_decay=weight_decay, clipnorm=clipnorm,
@@ -148,6 +151,12 @@ class FusedOptimizer(keras.optimizers.Optimizer):
             self.num_models = num_models
         for name, length in lengths.items():
             self._set_num_models(length, f"`{name}` has {length} values")
+        if getattr(learning_rate, "num_models", None) is not None:
+            # An hftatf schedule with per-model parameters.
+            self._set_num_models(
+                learning_rate.num_models,
+                f"its learning-rate schedule '{learning_rate.name}' is "
+                f"configured for {learning_rate.num_models} models")
         if self.use_ema:
             self._check_range("ema_momentum", 0.0, 1.0)
 

@@ -7,6 +7,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.lamb import check_required, model_norm, trust_ratio
+from hftatf.validation import shared
 
 __all__ = ["Lars"]
 
@@ -77,7 +78,7 @@ class Lars(FusedOptimizer):
         self._check_range("momentum", 0.0, 1.0)
         self._check_range("eta", 0.0, float("inf"))
         self._check_range("epsilon", 0.0, float("inf"))
-        self.nesterov = bool(nesterov)
+        self.nesterov = bool(shared("nesterov", nesterov))
         self._exclude_from_layer_adaptation = None
         self._exclude_from_layer_adaptation_pattern = None
 

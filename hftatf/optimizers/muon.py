@@ -8,6 +8,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.optimizers.adam import adam_step
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.validation import shared
 
 __all__ = ["Muon"]
 
@@ -86,14 +87,15 @@ class Muon(FusedOptimizer):
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
             name=name, **kwargs)
-        self.muon_a = muon_a
-        self.muon_b = muon_b
-        self.muon_c = muon_c
-        self.ns_steps = ns_steps
-        self.nesterov = nesterov
-        self.rms_rate = rms_rate
+        self.muon_a = shared("muon_a", muon_a)
+        self.muon_b = shared("muon_b", muon_b)
+        self.muon_c = shared("muon_c", muon_c)
+        self.ns_steps = shared("ns_steps", ns_steps)
+        self.nesterov = shared("nesterov", nesterov)
+        self.rms_rate = shared("rms_rate", rms_rate)
         self.exclude_layers = list(exclude_layers or [])
-        self.exclude_embeddings = exclude_embeddings
+        self.exclude_embeddings = shared("exclude_embeddings",
+                                         exclude_embeddings)
 
     def uses_adam(self, variable):
         """Whether `variable` (`[B, ...]`) takes Adam steps: as the stock

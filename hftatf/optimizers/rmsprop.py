@@ -5,6 +5,7 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.validation import shared
 
 __all__ = ["RMSprop"]
 
@@ -55,7 +56,7 @@ class RMSprop(FusedOptimizer):
                              "epsilon": epsilon},
             **kwargs,
         )
-        self.centered = bool(centered)
+        self.centered = bool(shared("centered", centered))
 
     def build(self, variables):
         if self.built:

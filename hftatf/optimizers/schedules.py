@@ -27,7 +27,7 @@ import numpy as np
 from keras import ops
 
 from hftatf.api import hftatf_export
-from hftatf.validation import check_num_models
+from hftatf.validation import check_num_models, shared
 
 __all__ = [
     "FusedSchedule",
@@ -322,7 +322,7 @@ class ExponentialDecay(FusedSchedule):
         self.decay_steps = self._parameter("decay_steps", decay_steps, low=0,
                                            low_open=True)
         self.decay_rate = self._parameter("decay_rate", decay_rate)
-        self.staircase = bool(staircase)
+        self.staircase = bool(shared("staircase", staircase))
 
     def _rates(self, step):
         p = ops.cast(step, "float32") / self._tensor(self.decay_steps)

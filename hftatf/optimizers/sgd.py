@@ -5,6 +5,7 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.validation import shared
 
 
 @hftatf_export
@@ -38,7 +39,7 @@ class SGD(FusedOptimizer):
         super().__init__(learning_rate=learning_rate,
                          hyperparameters={"momentum": momentum}, **kwargs)
         self._check_range("momentum", 0.0, 1.0)
-        self.nesterov = bool(nesterov)
+        self.nesterov = bool(shared("nesterov", nesterov))
 
     def build(self, variables):
         if self.built:

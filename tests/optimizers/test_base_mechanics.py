@@ -198,6 +198,34 @@ def test_mismatched_ema_momentum_length_raises():
                        ema_momentum=[0.9, 0.8])
 
 
+@pytest.mark.parametrize("name, flag", [
+    ("SGD", "nesterov"), ("Lars", "nesterov"), ("Adam", "amsgrad"),
+    ("RMSprop", "centered"), ("Adafactor", "relative_step"),
+    ("Muon", "nesterov"), ("Muon", "ns_steps"), ("SGD", "use_ema"),
+    ("SGD", "loss_scale_factor"), ("Adam", "gradient_accumulation_steps"),
+    ("SGD", "ema_overwrite_frequency")])
+def test_a_list_for_an_argument_all_models_share_is_refused(name, flag):
+    # A list means one value per model elsewhere; these take one for all
+    # (bool([True, False, True]) would switch the flag on for every model).
+    value = [True, False, True] if flag in ("nesterov", "amsgrad",
+                                            "centered", "relative_step",
+                                            "use_ema") else [1, 2, 4]
+    with pytest.raises(ValueError, match=f"`{flag}` is shared by all models"):
+        getattr(optimizers, name)(**{flag: value})
+    with pytest.raises(ValueError, match="`staircase` is shared"):
+        optimizers.schedules.ExponentialDecay(0.1, 10, 0.5,
+                                              staircase=[True, False])
+
+
+def test_a_schedule_for_other_models_than_the_array_is_refused():
+    schedule = optimizers.schedules.ExponentialDecay([0.1, 0.2], 2, 0.5)
+    optimizer = optimizers.SGD(schedule)
+    assert optimizer.num_models == 2
+    with pytest.raises(ValueError, match="schedule 'ExponentialDecay' is "
+                       "configured for 2 models.*num_models=3"):
+        optimizer.num_models = 3
+
+
 # -- gradient accumulation ---------------------------------------------------
 
 
