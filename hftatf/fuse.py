@@ -15,12 +15,14 @@ from keras.src.models.functional import Functional
 from hftatf.layers import registry
 from hftatf.layers.base import runs_on_accelerator
 from hftatf.layers.fold import (
+    PER_SAMPLE_ADVICE,
     BroadcastToModels,
     FoldModelAxis,
     SwapModelAxis,
     UnfoldModelAxis,
     copy_layer,
     has_random_state,
+    sample_mixing,
 )
 from hftatf.layers.per_model import derives_state
 from hftatf.model import FusedModel, clone_metrics
@@ -473,9 +475,24 @@ class _Walker:
             del shape[0 if self._has_models_first(tensor) else 1]
         return tuple(shape)
 
+    def _stock_arguments(self, args, kwargs):
+        """`(args, kwargs)` of a call in the array, with a
+        `keras.KerasTensor` of the stock model's shape for each tensor."""
+        def stock(x):
+            if not isinstance(x, keras.KerasTensor):
+                return x
+            return keras.KerasTensor(self._stock_shape(x), dtype=x.dtype,
+                                     sparse=x.sparse)
+
+        return keras.tree.map_structure(stock, (args, kwargs))
+
     def _call_operation(self, operation, *args, **kwargs):
         """A raw `keras.ops` node: once on shared tensors (it is
-        deterministic), folded over the models otherwise."""
+        deterministic), folded over the models otherwise. Folded, it must
+        treat every sample on its own: one that reaches across the batch
+        axis is refused, by its arguments where they say so
+        (`_batch_axis_refusal`, the more precise message), else where the
+        probes of `sample_mixing` find it."""
         tensors = [t for t in keras.tree.flatten((args, kwargs))
                    if isinstance(t, keras.KerasTensor)]
         if all(self._is_shared(t) for t in tensors):
@@ -483,14 +500,14 @@ class _Walker:
             self._mark(outputs, True)
             return outputs
         refusal = _batch_axis_refusal(
-            operation, self._stock_shape(args[0] if args else None))
+            operation, self._stock_shape(args[0] if args else None)
+        ) or sample_mixing(operation, operation.compute_output_spec,
+                           self._stock_arguments(args, kwargs))
         if refusal:
             raise ValueError(
                 f"hftatf cannot fuse the raw operation '{operation.name}' "
-                f"({type(operation).__name__}): it {refusal}. Folded over "
-                "the models, it would mix the models' samples. Compute it "
-                "per sample, or in a layer of its own registered with "
-                "hftatf.layers.FusedPerModel.")
+                f"({type(operation).__name__}): it {refusal}. "
+                f"{PER_SAMPLE_ADVICE}")
 
         def fold(x):
             if not isinstance(x, keras.KerasTensor):

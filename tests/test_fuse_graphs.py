@@ -160,6 +160,69 @@ def test_broadcast_to_a_fixed_batch_is_refused():
         hftatf.fuse(model, 2)
 
 
+def two_branch_model(operation, batch_size=None):
+    """A model whose output is `operation(a, b)` of two activations `a` and
+    `b` of shape `[batch, 3]`."""
+    inputs = keras.Input((5,), batch_size=batch_size)
+    a = keras.layers.Dense(3)(inputs)
+    b = keras.layers.Dense(3)(inputs)
+    return keras.Model(inputs, operation(a, b))
+
+
+# What the shape probe says of an operation that moves the batch axis.
+OFF_THE_BATCH_AXIS = "does not keep the batch axis first"
+
+
+@pytest.mark.parametrize("operation, named, found", [
+    (lambda a, b: ops.transpose(b), "Transpose", OFF_THE_BATCH_AXIS),
+    (lambda a, b: ops.swapaxes(b, 0, 1), "Swapaxes", OFF_THE_BATCH_AXIS),
+    (lambda a, b: ops.moveaxis(b, 0, 1), "Moveaxis", OFF_THE_BATCH_AXIS),
+    (lambda a, b: ops.einsum("bd,cd->bc", a, b), "Einsum",
+     "sizes other axes of its output by the batch"),
+    (lambda a, b: ops.matmul(a, ops.transpose(b)), "Transpose",
+     OFF_THE_BATCH_AXIS),
+    (lambda a, b: a - b[0], "GetItem", OFF_THE_BATCH_AXIS),
+    (lambda a, b: ops.reshape(b, (1, -1)), "Reshape", OFF_THE_BATCH_AXIS),
+    (lambda a, b: ops.top_k(ops.transpose(b), 2)[0], "Transpose",
+     OFF_THE_BATCH_AXIS),
+], ids=["transpose_all_axes", "swapaxes", "moveaxis", "einsum_across",
+        "matmul_transposed", "index_the_batch", "reshape_whole_batch",
+        "top_k_transposed"])
+def test_raw_operations_off_the_batch_axis_are_refused(operation, named,
+                                                        found):
+    # Not by name: by the shapes they give batches of two sizes.
+    message = f"raw operation '\\w+' \\({named}\\): it {found}"
+    with pytest.raises(ValueError, match=message):
+        hftatf.fuse(two_branch_model(operation), 2)
+
+
+def test_raw_operation_that_mixes_samples_is_refused_by_its_values():
+    # A 2-D FFT of `[batch, 3]` keeps every shape, but each sample's result
+    # takes the other samples in: found on random inputs.
+    model = two_branch_model(lambda a, b: ops.fft2((a, b))[0], batch_size=4)
+    with pytest.raises(ValueError, match="'fft2' \\(FFT2\\): it computes a "
+                       "sample's result from the other samples"):
+        hftatf.fuse(model, 2)
+
+
+@pytest.mark.parametrize("operation", [
+    lambda a, b: ops.transpose(ops.stack([a, b], axis=1), (0, 2, 1)),
+    lambda a, b: ops.reshape(ops.concatenate([a, b], axis=-1), (-1, 2, 3)),
+    lambda a, b: ops.einsum("bd,bd->b", a, b),
+    lambda a, b: b[:, 0],
+    lambda a, b: ops.squeeze(b[:, None]),
+    lambda a, b: ops.matmul(a[:, :, None], b[:, None, :]),
+    lambda a, b: ops.argmax(a, axis=-1) + ops.cast(b[:, 0] > 0, "int32"),
+], ids=["transpose_per_sample", "reshape_per_sample", "einsum_per_sample",
+        "index_per_sample", "squeeze", "outer_product", "integer_results"])
+def test_raw_operations_per_sample_fuse(operation):
+    models = [randomized(two_branch_model(operation), seed)
+              for seed in range(2)]
+    array = hftatf.fuse_models(models)
+    x = np.random.default_rng(3).normal(size=(4, 5)).astype("float32")
+    assert_array_matches(models, array, x)
+
+
 def test_fold_checks_the_model_axis():
     with pytest.raises(ValueError, match="model"):
         FoldModelAxis(3)(np.zeros((2, 4, 5), "float32"))

@@ -5,6 +5,7 @@ layer applied to every model slice `x[:, b]`, stacked on axis 1.
 """
 
 import copy
+import random
 
 import keras
 import numpy as np
@@ -25,7 +26,7 @@ from hftatf.layers import (
     FusedRandomCrop,
     registry,
 )
-from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS
+from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS, sample_mixing
 
 NUM_MODELS = 3
 BATCH = 2
@@ -1104,3 +1105,90 @@ def test_dropout_of_one_mask_per_batch_draws_one_per_model(layout):
         assert (kept[:, b] == kept[:1, b]).all()  # one mask for the batch
         assert 0 < kept[0, b].sum() < 16
     assert len({kept[0, b].tobytes() for b in range(4)}) > 1
+
+
+# -- Lambda: its function must treat every sample on its own ------------------
+
+
+def lambda_model(function, name="function"):
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(6)(inputs)
+    return keras.Model(inputs, keras.layers.Lambda(function, name=name)(
+        hidden))
+
+
+@pytest.mark.parametrize("function, found", [
+    (lambda t: t - keras.ops.mean(t, axis=0, keepdims=True),
+     "computes a sample's result from the other samples"),
+    (lambda t: keras.ops.transpose(t), "does not keep the batch axis first"),
+    (lambda t: keras.ops.matmul(t, keras.ops.transpose(t)),
+     "sizes other axes of its output by the batch"),
+], ids=["centred_on_the_batch", "transposed", "batch_gram_matrix"])
+def test_a_lambda_across_the_batch_is_refused(function, found):
+    # Folded, it would mix the models' samples.
+    with pytest.raises(ValueError, match=f"layer 'across' \\(Lambda\\): its "
+                       f"function {found}"):
+        hftatf.fuse(lambda_model(function, name="across"), 2)
+
+
+def test_a_lambda_across_the_batch_of_the_shared_input_runs_once():
+    # The models share that batch: once for all models is what each
+    # computes.
+    inputs = keras.Input((6,))
+    centred = keras.layers.Lambda(
+        lambda t: t - keras.ops.mean(t, axis=0, keepdims=True))(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(2)(centred))
+    array = hftatf.fuse(model, 2)
+    x = np.random.default_rng(4).standard_normal((5, 6)).astype("float32")
+    prediction = array.predict(x, verbose=0)
+    for b, twin in enumerate(array.unfuse()):
+        assert_close(prediction[:, b], twin.predict(x, verbose=0))
+
+
+@pytest.mark.parametrize("function", [
+    lambda t: t - keras.ops.mean(t, axis=-1, keepdims=True),
+    lambda t: keras.ops.reshape(keras.ops.transpose(
+        keras.ops.reshape(t, (-1, 3, 2)), (0, 2, 1)), (-1, 6)),
+    lambda t: keras.ops.reshape(keras.ops.einsum("bi,bj->bij", t, t),
+                                (-1, 36)),
+    lambda t: [t[:, :2], keras.ops.sum(t, axis=1, keepdims=True)],
+], ids=["centred_per_sample", "transposed_per_sample", "outer_product",
+        "several"])
+def test_a_lambda_per_sample_fuses_and_matches_stock(function):
+    array = hftatf.fuse(lambda_model(function), 2)
+    x = np.random.default_rng(5).standard_normal((4, 6)).astype("float32")
+    predictions = keras.tree.flatten(array.predict(x, verbose=0))
+    for b, twin in enumerate(array.unfuse()):
+        for ours, theirs in zip(predictions, keras.tree.flatten(
+                twin.predict(x, verbose=0))):
+            assert_close(ours[:, b], theirs)
+
+
+def test_a_random_lambda_fuses_and_draws_per_model():
+    # Two calls differ: the probe compares nothing and refuses nothing.
+    model = lambda_model(lambda t: keras.random.dropout(t, 0.5))
+    array = hftatf.fuse(model, 2)
+    x = np.random.default_rng(6).standard_normal((8, 6)).astype("float32")
+    outputs = np.asarray(array(x))
+    kept = outputs != 0
+    for b, twin in enumerate(array.unfuse()):
+        dense = np.asarray(twin.layers[1](x))
+        # Each kept value is the stock dropout's: scaled by 1 / (1 - rate).
+        assert_close(outputs[:, b][kept[:, b]], 2 * dense[kept[:, b]])
+        assert 0 < kept[:, b].mean() < 1
+    assert (kept[:, 0] != kept[:, 1]).any()
+
+
+def test_probing_a_random_function_leaves_the_random_state_alone():
+    # What the layers fused after it draw does not depend on the probe.
+    def draws():
+        return random.random(), float(keras.random.uniform(()))
+
+    keras.utils.set_random_seed(7)
+    expected = draws()
+    keras.utils.set_random_seed(7)
+    assert sample_mixing(
+        lambda t: keras.random.dropout(t, 0.5),
+        lambda t: keras.KerasTensor(t.shape),
+        ((keras.KerasTensor((None, 6)),), {})) is None
+    assert draws() == expected
