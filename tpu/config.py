@@ -226,6 +226,8 @@ class Config:
                     "backup and the export are written with local file "
                     "operations. To keep them in Cloud Storage, mount the "
                     "bucket (e.g. with gcsfuse) and pass its mount point.")
+            if value:
+                check_directory(f"--{name}", value)
         recipe = self.recipe()
         for name in ("batch_size", "steps_per_execution"):
             _check_positive(name, getattr(self, name))
@@ -451,10 +453,17 @@ class Config:
 
     def write(self, directory):
         """Writes the config to `directory/config.yaml` (`config.json`
-        without PyYAML); returns the path."""
+        without PyYAML); returns the path. An `export_dir` that is
+        `model_dir/export` is written as None, so that rerunning the file
+        with another `--model_dir` exports there, not over this run's
+        export."""
         directory = pathlib.Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         values = self.to_dict()
+        if values["export_dir"] and values["model_dir"] and (
+                pathlib.Path(values["export_dir"])
+                == pathlib.Path(values["model_dir"]) / "export"):
+            values["export_dir"] = None
         try:
             import yaml
         except ImportError:
@@ -467,6 +476,17 @@ class Config:
         temporary.write_text(text)
         temporary.replace(path)
         return path
+
+
+def check_directory(flag, value):
+    """Raises a ConfigError where the directory `value` of `flag` cannot be
+    made: it, or the nearest of its parents that exists, is a file."""
+    path = pathlib.Path(value).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(
+            f"{flag}={value} must be a directory, but {existing} is a "
+            "file. Pass a directory path.")
 
 
 def field_names():

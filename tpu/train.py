@@ -438,8 +438,17 @@ def backed_up_epoch(backup_dir, num_models):
     return 0 if metadata is None else metadata["epoch"]
 
 
+# What each model of a run trains with and on: a run resumed from its
+# backup keeps its optimizer's per-model values and its models, so these
+# cannot change there (its results would name values it did not train with).
+_RUN_SETTINGS = ("model", "model_args", "num_models", "learning_rate",
+                 "grid", "optimizer", "optimizer_args", "schedule",
+                 "schedule_args", "batch_size", "mixed_precision", "seed")
+
+
 def _check_resumed_config(config, model_dir, initial_epoch):
-    """Warns when a run resumes with a config other than its own."""
+    """Refuses a run that resumes with other training settings than its
+    own (`_RUN_SETTINGS`); warns where others changed."""
     if not initial_epoch:
         return
     for name in ("config.yaml", "config.json"):
@@ -448,15 +457,26 @@ def _check_resumed_config(config, model_dir, initial_epoch):
             continue
         try:
             previous = Config.from_dict(read_file(path), str(path))
+            previous = previous.resolved().to_dict()
         except ValueError:
             return
-        changed = sorted(
-            key for key, value in config.to_dict().items()
-            if previous.to_dict().get(key) != value)
+        current = config.to_dict()
+        changed = sorted(key for key, value in current.items()
+                         if previous.get(key) != value)
+        fixed = [key for key in changed if key in _RUN_SETTINGS]
+        if fixed:
+            raise ConfigError(
+                f"--model_dir={model_dir} holds a run backed up at epoch "
+                f"{initial_epoch} that trained with other settings: "
+                + "; ".join(f"{key} {previous.get(key)!r}, now "
+                            f"{current[key]!r}" for key in fixed)
+                + ". Resumed, it would go on with its own and report "
+                "these. Resume it with its settings (--config_file="
+                f"{path}), or pass another --model_dir to start afresh.")
         if changed:
             logging.warning(
-                "Resuming the run in %s with changed settings %s; the "
-                "backup must still fit the array.", model_dir, changed)
+                "Resuming the run in %s with changed settings %s.",
+                model_dir, changed)
         return
 
 

@@ -40,7 +40,7 @@ import hftatf
 from hftatf import tuning
 from hftatf.models import recipes
 from hftatf.tpu import data
-from hftatf.tpu.config import ConfigError, parse_mapping
+from hftatf.tpu.config import ConfigError, check_directory, parse_mapping
 from hftatf.tuning import distributed, space
 
 FLAGS = flags.FLAGS
@@ -172,6 +172,12 @@ def _settings(flag_values):
         flag_values.epochs)
     if epochs < 1:
         raise FlagError(f"--epochs must be >= 1. Received: {epochs}.")
+    for name in ("directory", "export_dir"):
+        if flag_values[name].value:
+            try:
+                check_directory(f"--{name}", flag_values[name].value)
+            except ConfigError as error:
+                raise FlagError(str(error)) from None
     params = []
     text = flag_values.search_space
     try:

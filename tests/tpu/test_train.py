@@ -2,6 +2,7 @@
 hyper-parameters, schedules, mixed precision, files and resumption."""
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -12,6 +13,7 @@ from absl.testing import flagsaver
 from testing import Interrupt, assert_close
 
 from hftatf.models import data as zoo_data
+from hftatf.tpu import config as config_module
 from hftatf.tpu import results, train
 from hftatf.tpu.config import Config, ConfigError
 
@@ -230,6 +232,49 @@ def test_resuming_another_number_of_models_fails_before_writing(tmp_path):
         train.train(one_step("mlp", tmp_path, epochs=2, train_steps=2,
                              num_models=3))
     assert files() == written
+
+
+def test_resuming_with_other_learning_rates_fails_before_writing(tmp_path):
+    # The backup would go on with its own rates; results.csv would name the
+    # new ones.
+    config = one_step("mlp", tmp_path, epochs=2, train_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(config, callbacks=[Interrupt(epoch=1)])
+    model_dir = tmp_path / "mlp"
+    written = {p.name: p.read_bytes() for p in model_dir.glob("*")
+               if p.is_file()}
+    changed = dataclasses.replace(config, learning_rate=[0.01, 0.02])
+    with pytest.raises(ConfigError, match="other settings: learning_rate "
+                       r"\[.*\], now \[0.01, 0.02\].*config.yaml"):
+        train.train(changed)
+    assert {p.name: p.read_bytes() for p in model_dir.glob("*")
+            if p.is_file()} == written
+    # More epochs (and other outputs) may change: it resumes.
+    run = train.train(dataclasses.replace(config, epochs=3, verbose=0))
+    assert run.initial_epoch == 1
+
+
+def test_a_rerun_of_the_written_config_exports_under_its_own_model_dir(
+        tmp_path):
+    config = one_step("mlp", tmp_path, epochs=1, train_steps=1,
+                      export_dir=None)
+    train.train(config)
+    assert (tmp_path / "mlp" / "export").is_dir()
+    written = config_module.read_file(tmp_path / "mlp" / "config.yaml")
+    assert written["export_dir"] is None
+    rerun = config_module.Config.from_dict(written).updated(
+        {"model_dir": str(tmp_path / "rerun")}, "the flags").resolved()
+    assert rerun.export_dir == str(tmp_path / "rerun" / "export")
+
+
+@pytest.mark.parametrize("name", ["model_dir", "export_dir"])
+def test_a_directory_that_is_a_file_is_refused_before_training(tmp_path,
+                                                               name):
+    (tmp_path / "afile").write_text("")
+    config = one_step("mlp", tmp_path, **{name: str(tmp_path / "afile"
+                                                    / "sub")})
+    with pytest.raises(ConfigError, match=f"--{name}=.*afile is a file"):
+        config.validate()
 
 
 def test_an_unreadable_backup_fails_before_writing(tmp_path):

@@ -122,6 +122,15 @@ def test_bad_flags_fail_before_any_work(args, message):
         tune.distributed_environment(flag_values)
 
 
+@pytest.mark.parametrize("name", ["directory", "export_dir"])
+def test_a_directory_flag_naming_a_file_fails_before_any_work(tmp_path,
+                                                              name):
+    (tmp_path / "afile").write_text("")
+    flag_values = parsed(f"--{name}={tmp_path / 'afile'}")
+    with pytest.raises(tune.FlagError, match=f"--{name}=.*afile is a file"):
+        tune._settings(flag_values)
+
+
 def test_documented_space_of_ints_and_floats_builds(tmp_path):
     flag_values = parsed(
         "--search_space=learning_rate=float:1e-3:0.3:log;"
