@@ -435,8 +435,10 @@ class FusedOptimizer(keras.optimizers.Optimizer):
         if name in self.complemented_hyperparameters:
             found.append((self._complement_variables, f"one_minus_{name}",
                           1.0 - value))
+        # In double precision: a float64 variable (`floatx="float64"`)
+        # holds the value itself, as a stock optimizer's does.
         return [(store, key, np.broadcast_to(
-            values.astype("float32"), (self.num_models,)).copy())
+            values, (self.num_models,)).copy())
             for store, key, values in found]
 
     def load_own_variables(self, store):
@@ -471,11 +473,11 @@ class FusedOptimizer(keras.optimizers.Optimizer):
     def _complement_of_loaded(self, name):
         """`1 - name` for the value its variable holds: from the config's
         Python floats where the variable holds them, else from the
-        variable's float32 values."""
+        variable's values."""
         loaded = ops.convert_to_numpy(self._hyper_variables[name])
         held = {key: values for _, key, values
                 in self._stored_values(name, self._hyper_values[name])}
-        if not np.array_equal(loaded, held[name]):
+        if not np.array_equal(loaded, held[name].astype(loaded.dtype)):
             held = {key: values for _, key, values
                     in self._stored_values(name, loaded)}
         return held[f"one_minus_{name}"]

@@ -217,6 +217,21 @@ def test_a_list_for_an_argument_all_models_share_is_refused(name, flag):
                                               staircase=[True, False])
 
 
+def test_float64_hyperparameters_are_not_rounded_to_float32():
+    # As a stock optimizer's learning-rate variable holds 0.01 exactly.
+    previous = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    try:
+        optimizer = optimizers.SGD(learning_rate=[0.01, 0.1], momentum=0.9)
+        optimizer.build([keras.Variable(np.zeros((2, 3)))])
+        assert optimizer.get_hyperparameter("learning_rate").tolist() == [
+            0.01, 0.1]
+        assert optimizer.get_hyperparameter("momentum").tolist() == [0.9,
+                                                                     0.9]
+    finally:
+        keras.config.set_floatx(previous)
+
+
 def test_a_schedule_for_other_models_than_the_array_is_refused():
     schedule = optimizers.schedules.ExponentialDecay([0.1, 0.2], 2, 0.5)
     optimizer = optimizers.SGD(schedule)
