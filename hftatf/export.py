@@ -342,6 +342,16 @@ def _read_index(directory):
     return entries
 
 
+def _register_zoo_objects():
+    """Registers the Keras objects of hftatf's model zoo (PointNet's
+    `OrthogonalityRegularizer`), which its models' files name: importing
+    a zoo module registers them."""
+    # Imported here: the zoo builds on hftatf.
+    from hftatf.models import recipes
+
+    recipes.names()
+
+
 def load_exported_model(path, custom_objects=None, compile=False):
     """Returns the plain Keras model, with its weights, stored at `path`.
 
@@ -358,6 +368,7 @@ def load_exported_model(path, custom_objects=None, compile=False):
             that holds no model.
     """
     path = pathlib.Path(path)
+    _register_zoo_objects()
     if path.is_file():
         if path.suffix in (".keras", ".h5", ".hdf5"):
             return keras.models.load_model(

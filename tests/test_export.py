@@ -213,6 +213,35 @@ def test_exported_model_loads_without_hftatf(exported, tmp_path):
         assert_close(outputs, expected)
 
 
+def test_load_models_loads_the_zoos_own_keras_objects(tmp_path):
+    # PointNet's transform nets carry the zoo's OrthogonalityRegularizer,
+    # registered only once its module is imported.
+    from hftatf.models import pointnet
+
+    array = hftatf.fuse(pointnet.pointnet(num_points=16, num_classes=3,
+                                          width=0.0625), 2)
+    array.compile(hftatf.optimizers.SGD(0.01),
+                  loss="sparse_categorical_crossentropy")
+    array.export_models(tmp_path / "export")
+    inputs = np.random.default_rng(0).normal(size=(4, 16, 3)).astype(
+        "float32")
+    np.save(tmp_path / "inputs.npy", inputs)
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        import hftatf
+        models = hftatf.load_models(r"{tmp_path / 'export'}")
+        x = np.load(r"{tmp_path / 'inputs.npy'}")
+        np.save(sys.argv[1], np.stack([m.predict(x, verbose=0)
+                                       for m in models], 1))
+    """)
+    out = tmp_path / "out.npy"
+    result = subprocess.run([sys.executable, "-c", script, str(out)],
+                            cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_close(np.load(out), array.predict(inputs, verbose=0))
+
+
 def test_checkpoint_restores_into_a_fresh_stock_model(exported):
     array, _, inputs, directory, _ = exported
     unfused = array.unfuse()
