@@ -87,9 +87,11 @@ def metric_names(history, exclude=()):
 
 
 def model_results(history, hyperparameters, diverged=None):
-    """One dict per model: `model`, its hyper-parameters, the last value of
-    each logged quantity, and `status` (`"diverged"` or `"ok"`). Validation
-    quantities without a value (a run without validation) are left out.
+    """One dict per model: `model`, its hyper-parameters, each logged
+    quantity at the last epoch the model's loss was finite (all of one
+    epoch: a diverged model's row is where it stood before it diverged),
+    and `status` (`"diverged"` or `"ok"`). Validation quantities without a
+    value (a run without validation) are left out.
 
     Args:
         history: a Keras-style history dict (`read_history`).
@@ -103,10 +105,17 @@ def model_results(history, hyperparameters, diverged=None):
         row = {"model": b}
         row.update({name: values[b]
                     for name, values in hyperparameters.items()})
+        losses = history.get(f"loss_{b}")
+        epoch = None if losses is None else _last_finite_epoch(losses)
         for name in names:
-            values = [v for v in history.get(f"{name}_{b}", [])
-                      if not math.isnan(v)]
-            row[name] = values[-1] if values else math.nan
+            values = history.get(f"{name}_{b}", [])
+            if losses is not None and epoch is None:
+                row[name] = math.nan  # Not finite from its first epoch.
+            elif epoch is None:
+                values = [v for v in values if not math.isnan(v)]
+                row[name] = values[-1] if values else math.nan
+            else:
+                row[name] = values[epoch] if epoch < len(values) else math.nan
         if diverged is not None:
             row["status"] = "diverged" if diverged[b] else "ok"
         rows.append(row)
@@ -116,6 +125,12 @@ def model_results(history, hyperparameters, diverged=None):
         for name in empty:
             del row[name]
     return rows
+
+
+def _last_finite_epoch(losses):
+    """The index of the last finite value of `losses`; None for none."""
+    finite = [i for i, value in enumerate(losses) if math.isfinite(value)]
+    return finite[-1] if finite else None
 
 
 def best_monitor(rows, monitor, mode):

@@ -368,3 +368,24 @@ def test_warmup_rises_linearly_to_the_schedule():
         [0.5 * float(c(10)) for c in cosine], rtol=1e-6)
     np.testing.assert_allclose(np.asarray(learning_rate(25)),
                                [float(c(25)) for c in cosine], rtol=1e-6)
+
+
+def test_a_diverged_models_results_are_all_of_its_last_finite_epoch():
+    nan = math.nan
+    history = {"loss_0": [1.0, 0.5, 0.25], "val_loss_0": [1.1, 0.6, 0.3],
+               "accuracy_0": [0.1, 0.2, 0.3],
+               "loss_1": [2.0, 9e15, nan], "val_loss_1": [2.1, nan, nan],
+               "accuracy_1": [0.4, 0.35, 0.7],
+               "loss_2": [nan, nan, nan], "val_loss_2": [1.0, nan, nan],
+               "accuracy_2": [0.5, 0.6, 0.7]}
+    rows = results.model_results(history, {"learning_rate": [0.1, 1e6, 1e9]},
+                                 diverged=[False, True, True])
+    assert (rows[0]["loss"], rows[0]["val_loss"], rows[0]["accuracy"]) == (
+        0.25, 0.3, 0.3)
+    # Epoch 1, where its loss was last finite: not epoch 0's val_loss, nor
+    # epoch 2's accuracy.
+    assert rows[1]["loss"] == 9e15 and rows[1]["accuracy"] == 0.35
+    assert math.isnan(rows[1]["val_loss"])
+    assert all(math.isnan(rows[2][name])
+               for name in ("loss", "val_loss", "accuracy"))
+    assert [row["status"] for row in rows] == ["ok", "diverged", "diverged"]
