@@ -18,6 +18,12 @@ def build(input_shape, hidden_units=(128, 64), num_classes=10,
         dropout: dropout rate after each hidden layer (0 for none).
         name: the model's name.
     """
+    if isinstance(hidden_units, (str, bytes)) or not all(
+            isinstance(units, int) and not isinstance(units, bool)
+            for units in hidden_units):
+        raise ValueError(
+            "`hidden_units` must be a sequence of layer widths (integers), "
+            f"e.g. (128, 64). Received: hidden_units={hidden_units!r}.")
     inputs = keras.Input(shape=tuple(input_shape), name="features")
     x = inputs
     if len(input_shape) > 1:

@@ -389,3 +389,11 @@ def test_a_diverged_models_results_are_all_of_its_last_finite_epoch():
     assert all(math.isnan(rows[2][name])
                for name in ("loss", "val_loss", "accuracy"))
     assert [row["status"] for row in rows] == ["ok", "diverged", "diverged"]
+
+
+def test_mlp_widths_that_are_not_integers_are_named_in_the_error(tmp_path):
+    # "abc" was read one letter per layer: "Received: units=a".
+    config = one_step("mlp", tmp_path, model_args={"hidden_units": "abc"})
+    with pytest.raises(ConfigError, match="`hidden_units` must be a "
+                       "sequence of layer widths.*'abc'"):
+        train.build_model(config.recipe(), config)
