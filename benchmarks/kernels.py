@@ -43,6 +43,8 @@ import time
 
 import numpy as np
 
+from benchmarks import flags
+
 WORKLOADS = ("mlp", "mlp_wide", "convnet", "transformer")
 
 # One model of each workload: (batch size, widths or layers, classes).
@@ -484,22 +486,14 @@ def torch_convolutions(num_models_list, repeats, cases=TORCH_CASES):
 # -- The run ---------------------------------------------------------------
 
 
-def _int_list(text):
-    values = [int(v) for v in text.split(",") if v]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected positive integers separated by commas, got {text!r}")
-    return values
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    parser.add_argument("--num_models", type=_int_list,
-                        default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--num_models", default="1,2,4,8,16,32",
+                        help="comma list of array sizes B")
     parser.add_argument("--batch_size", type=int, default=None,
                         help="samples per step of every model (default: "
                         "each workload's own)")
@@ -513,18 +507,22 @@ def parse_args(argv=None):
                         help="B = 1, 2, 4; small matmul; short rounds")
     parser.add_argument("--output_dir", default="benchmark_results/kernels")
     args = parser.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.workloads = flags.comma_list(parser, "--workloads", args.workloads)
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown:
         parser.error(f"unknown workloads {unknown}; choose from {WORKLOADS}")
+    args.num_models = flags.array_sizes(parser, args.num_models)
+    flags.check_minimums(parser, args, {"repeats": 1})
+    if args.seconds <= 0:
+        parser.error(f"--seconds must be positive; received {args.seconds}")
     if args.quick:
         args.num_models = [b for b in args.num_models if b <= 4] or [1, 2, 4]
-        args.seconds, args.repeats = min(args.seconds, 0.05), 3
+        args.seconds = min(args.seconds, 0.05)
+        args.repeats = min(args.repeats, 3)
         for workload, overrides in QUICK.items():
             BUILDERS[workload][1].update(overrides)
     if args.batch_size is not None:
-        if args.batch_size < 1:
-            parser.error("--batch_size must be positive")
+        flags.check_minimums(parser, args, {"batch_size": 1})
         for _, config in BUILDERS.values():
             config["batch"] = args.batch_size
     return args

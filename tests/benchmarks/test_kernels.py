@@ -82,9 +82,16 @@ def test_command_writes_a_row_per_workload_form_and_size(tmp_path):
     assert "| workload | form | B |" in result.stdout
 
 
-def test_unknown_workload_is_refused():
+@pytest.mark.parametrize("args, message", [
+    (["--workloads", "vgg"], "unknown workloads ['vgg']"),
+    (["--num_models", "1,0"], "--num_models must be positive"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--seconds", "0"], "--seconds must be positive"),
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+])
+def test_bad_flags_are_refused_before_anything_runs(args, message):
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernels", "--workloads", "vgg"],
+        [sys.executable, "-m", "benchmarks.kernels", *args],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 2
-    assert "unknown workloads ['vgg']" in result.stderr
+    assert message in result.stderr
