@@ -51,6 +51,11 @@ CHECKPOINT_PREFIX = "checkpoint/model"
 CONFIG_FILE = "config.json"
 METADATA_FILE = "metadata.json"
 INDEX_FILE = "index.json"
+# What a TensorFlow SavedModel directory holds: export_serving replaces a
+# directory of these entries only.
+SAVED_MODEL_ENTRIES = frozenset(
+    {"saved_model.pb", "saved_model.pbtxt", "variables", "assets",
+     "assets.extra", "fingerprint.pb", "keras_metadata.pb"})
 
 
 def model_hyperparameters(optimizer, index):
@@ -455,7 +460,10 @@ def export_serving(array, directory):
     model `b`'s slice).
 
     Like `export_models`, it writes into a temporary directory renamed
-    into place when complete, replacing an earlier SavedModel there.
+    into place when complete, replacing an earlier SavedModel there. It
+    never replaces anything else: a `directory` that is a file, or that
+    holds entries a SavedModel does not have, is refused before anything
+    is written.
 
     Args:
         array: a `FusedModel`.
@@ -465,6 +473,8 @@ def export_serving(array, directory):
         `directory` as a `pathlib.Path`.
     """
     _check_array(array, "export_serving")
+    directory = pathlib.Path(directory)
+    _check_replaceable(directory)
     stock = None if array.source_config is None else array.stock_model()
     num_models = array.num_models
     archive = keras.export.ExportArchive()
@@ -488,7 +498,6 @@ def export_serving(array, directory):
             _input_specs(array, shared=True))
     for name, (call, specs) in endpoints.items():
         archive.add_endpoint(name, call, input_signature=[specs])
-    directory = pathlib.Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     # Written aside and renamed, as the models of export_models are.
     staging = pathlib.Path(tempfile.mkdtemp(
@@ -499,6 +508,29 @@ def export_serving(array, directory):
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return directory
+
+
+def _check_replaceable(directory):
+    """Refuses a `directory` that holds anything but an earlier SavedModel:
+    export_serving replaces what is there, and must never replace a user's
+    own files."""
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise ValueError(
+            f"hftatf.export_serving writes a SavedModel directory, but "
+            f"{str(directory)!r} is a file. Pass the path of a new or empty "
+            "directory, or of an earlier SavedModel to replace.")
+    foreign = sorted(entry.name for entry in directory.iterdir()
+                     if entry.name not in SAVED_MODEL_ENTRIES)
+    if foreign:
+        raise ValueError(
+            f"hftatf.export_serving replaces the directory it writes, and "
+            f"{str(directory)!r} holds files that are not part of a "
+            f"SavedModel: {foreign}. Expected a new or empty directory, or "
+            "an earlier SavedModel (only "
+            f"{sorted(SAVED_MODEL_ENTRIES)}). Pass another path, or move "
+            "those files away first.")
 
 
 def _input_specs(array, shared):

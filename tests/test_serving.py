@@ -203,14 +203,15 @@ def test_array_without_stock_architecture_slices_the_fused_graph(tmp_path):
                      expected[:, b])
 
 
-def test_export_replaces_an_earlier_one_whole(tmp_path):
-    def array():
-        x = keras.Input((5,), name="x")
-        h = hftatf.layers.BroadcastToModels(NUM_MODELS)(x)
-        y = hftatf.layers.FusedDense(NUM_MODELS, 3)(h)
-        return hftatf.FusedModel(x, y, num_models=NUM_MODELS)
+def served_array():
+    x = keras.Input((5,), name="x")
+    h = hftatf.layers.BroadcastToModels(NUM_MODELS)(x)
+    y = hftatf.layers.FusedDense(NUM_MODELS, 3)(h)
+    return hftatf.FusedModel(x, y, num_models=NUM_MODELS)
 
-    first, second = array(), array()
+
+def test_export_replaces_an_earlier_one_whole(tmp_path):
+    first, second = served_array(), served_array()
     hftatf.export_serving(first, tmp_path / "serving")
     hftatf.export_serving(second, tmp_path / "serving")
     assert [p.name for p in tmp_path.iterdir()] == ["serving"]
@@ -238,3 +239,34 @@ def test_distributed_array_is_served_from_its_values(tmp_path):
 def test_non_array_is_refused(tmp_path, bad):
     with pytest.raises(TypeError, match="FusedModel"):
         hftatf.export_serving(bad, tmp_path / "serving")
+
+
+def test_refuses_to_replace_a_file(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("the user's notes")
+    with pytest.raises(ValueError, match="notes.txt' is a file"):
+        hftatf.export_serving(served_array(), target)
+    assert target.read_text() == "the user's notes"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_refuses_to_replace_a_directory_of_other_files(tmp_path):
+    target = tmp_path / "serving"
+    (target / "data").mkdir(parents=True)
+    (target / "data" / "train.csv").write_text("1,2,3")
+    (target / "README").write_text("mine")
+    with pytest.raises(ValueError, match=r"\['README', 'data'\]"):
+        hftatf.export_serving(served_array(), target)
+    assert (target / "data" / "train.csv").read_text() == "1,2,3"
+    assert (target / "README").read_text() == "mine"
+    assert sorted(p.name for p in target.iterdir()) == ["README", "data"]
+    assert [p.name for p in tmp_path.iterdir()] == ["serving"]
+
+
+def test_writes_into_an_empty_directory(tmp_path):
+    (tmp_path / "serving").mkdir()
+    array = served_array()
+    hftatf.export_serving(array, tmp_path / "serving")
+    served = tf.saved_model.load(str(tmp_path / "serving"))
+    inputs = sample(np.random.default_rng(7), (3, 5))
+    assert_close(served.shared(inputs), array.predict(inputs, verbose=0))
