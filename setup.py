@@ -23,7 +23,8 @@ setuptools.setup(
     python_requires=">=3.10",
     # `models/` and `tpu/` live at the top of the repository but install as
     # `hftatf.models` and `hftatf.tpu`, never as top-level packages.
-    packages=["hftatf", "hftatf.layers", "hftatf.optimizers", "hftatf.tuning",
+    packages=["hftatf", *(f"hftatf.{name}" for name in
+                          setuptools.find_packages("hftatf")),
               "hftatf.models", "hftatf.tpu"],
     package_dir={
         "hftatf": "hftatf",

@@ -34,6 +34,9 @@ from keras import ops
 from keras.src.utils import io_utils
 from tensorflow.core.framework import summary_pb2
 
+from hftatf.fuse import compile_stock_model, compiles_stock_models
+from hftatf.graph import set_layer_weights, weighted_layers
+
 __all__ = [
     "CSVLogger",
     "EarlyStopping",
@@ -994,8 +997,6 @@ class ModelCheckpoint(PerModelMonitorCallback):
         array = self.array
         if self._stock is None or self._stock[0] is not array or (
                 self._stock[1] is not array.optimizer):
-            from hftatf.fuse import compiles_stock_models, weighted_layers
-
             model = array.stock_model()
             compiles = (not self.save_weights_only
                         and compiles_stock_models(array))
@@ -1004,8 +1005,6 @@ class ModelCheckpoint(PerModelMonitorCallback):
         return self._stock[2:]
 
     def _save(self, b, stacked, filepath):
-        from hftatf.fuse import compile_stock_model, set_layer_weights
-
         model, layers, compiles = self._stock_model()
         for path, layer in layers:
             set_layer_weights(layer, [w[b] for w in stacked[path]])
@@ -1039,7 +1038,5 @@ class ModelCheckpoint(PerModelMonitorCallback):
 def _stacked_layer_weights(array):
     """`{layer path: [B, ...] weights}` for every layer of `array` with
     weights, keyed as the stock model's layers are."""
-    from hftatf.fuse import weighted_layers
-
     return {path: layer.get_weights()
             for path, layer in weighted_layers(array)}

@@ -25,15 +25,15 @@ import tensorflow as tf
 
 import hftatf
 from hftatf.callbacks import split_logs
+from hftatf.core import hooks
 from hftatf.fuse import (
     _input_structure,
     compile_stock_model,
     compiles_stock_models,
-    finalize_derived_state,
     fuse,
     fuse_models,
-    weighted_layers,
 )
+from hftatf.graph import finalize_derived_state, weighted_layers
 from hftatf.layers.per_model import (
     derives_state,
     derives_state_by_ops,
@@ -118,6 +118,7 @@ def library_versions():
             "python": platform.python_version()}
 
 
+@hooks.provides("export_models")
 def export_models(array, directory, history=None, format=FORMATS):
     """Writes every model of `array` as a plain Keras model.
 
@@ -312,6 +313,7 @@ def load_models(directory, custom_objects=None, compile=False):
             for entry in _read_index(directory)]
 
 
+@hooks.provides("from_exported")
 def from_exported(directory, custom_objects=None, **fuse_kwargs):
     """Returns the array written by `export_models`, to resume tuning or to
     serve: `hftatf.fuse_models(load_models(directory))`.
@@ -357,6 +359,7 @@ def _register_zoo_objects():
     recipes.names()
 
 
+@hooks.provides("load_exported_model")
 def load_exported_model(path, custom_objects=None, compile=False):
     """Returns the plain Keras model, with its weights, stored at `path`.
 

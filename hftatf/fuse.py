@@ -12,6 +12,13 @@ import keras
 import numpy as np
 from keras.src.models.functional import Functional
 
+from hftatf.core import hooks
+from hftatf.graph import (
+    config_layers,
+    is_graph_model,
+    set_layer_weights,
+    weighted_layers,
+)
 from hftatf.layers import registry
 from hftatf.layers.base import runs_on_accelerator
 from hftatf.layers.fold import (
@@ -24,7 +31,6 @@ from hftatf.layers.fold import (
     has_random_state,
     sample_mixing,
 )
-from hftatf.layers.per_model import derives_state
 from hftatf.model import FusedModel, clone_metrics
 from hftatf.optimizers.stock import copy_state, stock_optimizer
 from hftatf.validation import check_num_models
@@ -635,59 +641,7 @@ def _name_entries(model, config):
             _name_entries(layer, entry)
 
 
-def config_layers(model):
-    """The layers of the graph `model` in the order its config lists
-    them."""
-    if isinstance(model, keras.Sequential):
-        # With the input layer, as `Sequential.get_config` lists them.
-        return super(keras.Sequential, model).layers
-    return model.operations  # as `Functional.get_config` lists them
-
-
-def is_graph_model(layer):
-    """Whether `layer` is a functional or Sequential model, whose graph
-    `hftatf.fuse` rebuilds with fused layers; a subclassed model used as a
-    layer runs once per model instead (`hftatf.layers.FusedPerModel`)."""
-    return isinstance(layer, keras.Model) and (
-        isinstance(layer, keras.Sequential) or hasattr(layer,
-                                                       "_nodes_by_depth"))
-
-
-def weighted_layers(model):
-    """`(path, layer)` for every layer with weights, nested functional and
-    Sequential models entered: the same paths name a stock model's layers
-    and its array's."""
-    return [(path, layer) for path, layer in graph_layers(model)
-            if not is_graph_model(layer) and layer.weights]
-
-
-def graph_layers(model, prefix=""):
-    """Yields `(path, layer)` for every layer of the graph `model`, each
-    nested functional or Sequential model before the layers inside it
-    (paths `outer/inner`)."""
-    for layer in model.layers:
-        path = prefix + layer.name
-        yield path, layer
-        if is_graph_model(layer):
-            yield from graph_layers(layer, path + "/")
-
-
-def set_layer_weights(layer, weights):
-    """`layer.set_weights(weights)`, then `finalize_derived_state`."""
-    layer.set_weights(weights)
-    finalize_derived_state(layer)
-
-
-def finalize_derived_state(layer):
-    """Derives again the state that layers inside `layer` compute from
-    their weights (an adapted `Normalization` keeps its mean and variance
-    as tensors read from its weights), as loading a saved model does:
-    `set_weights` and checkpoint reads leave it as it was."""
-    for inner in layer._flatten_layers():
-        if derives_state(inner):
-            inner.finalize_state()
-
-
+@hooks.provides("unfuse")
 def unfuse(array, compile=True):
     """Returns the array's B models as plain Keras models with their weights.
 
@@ -823,10 +777,8 @@ def fuse_models(models, shared_inputs=True, name=None,
 def _as_model(model):
     """`model`, or the model stored at the path `model`."""
     if isinstance(model, (str, os.PathLike)):
-        # Import here: hftatf.export builds on this module.
-        from hftatf.export import load_exported_model
-
-        return load_exported_model(model)
+        # Reading files is hftatf.export's, which builds on this module.
+        return hooks.call("load_exported_model", model)
     return model
 
 

@@ -26,6 +26,8 @@ from keras.src.utils import tracking
 from hftatf import backup, passes, seeds, sparse
 from hftatf import optimizers as fused_optimizers
 from hftatf.api import hftatf_export
+from hftatf.core import hooks
+from hftatf.graph import config_layers, graph_layers, is_graph_model
 from hftatf.layers import convolutional, objects, per_model
 from hftatf.layers.base import (
     broadcast_to_models,
@@ -440,9 +442,7 @@ def _restore_layer_names(model, config):
     the names the config lists them under (nested models too): a layer of
     your own whose config leaves its name out, or whose constructor does
     not hand it to Keras, comes back under another name, which its weights
-    could not be matched by (`hftatf.fuse.weighted_layers`)."""
-    from hftatf.fuse import config_layers, is_graph_model
-
+    could not be matched by (`hftatf.graph.weighted_layers`)."""
     entries = config["config"]["layers"]
     layers = config_layers(model)
     if [type(layer).__name__ for layer in layers] != [
@@ -462,9 +462,7 @@ def trainable_flags(model):
     flag, and for each layer with weights its `trainable` flags and those
     of the layers inside it (`per_model.trainable_flags`; of the stock
     layer that a layer run per model holds). Paths are those of
-    `hftatf.fuse.graph_layers`."""
-    from hftatf.fuse import graph_layers, is_graph_model
-
+    `hftatf.graph.graph_layers`."""
     found = {}
     for path, layer in graph_layers(model):
         if is_graph_model(layer):
@@ -483,8 +481,6 @@ def set_trainable_flags(model, flags):
     it, which it hands down to. A layer whose inner layers differ in number
     from those its flags came from (a fused layer's own) takes its own flag
     only."""
-    from hftatf.fuse import graph_layers
-
     for path, layer in graph_layers(model):
         given = flags.get(path)
         if given is None:
@@ -1821,25 +1817,21 @@ class FusedModel(keras.Model):
         """Returns the B models as plain Keras models with their weights,
         compiled as they train in the array (optimizer state included);
         see `hftatf.fuse.unfuse`."""
-        from hftatf.fuse import unfuse
-
-        return unfuse(self, compile=compile)
+        return hooks.call("unfuse", self, compile=compile)
 
     def export_models(self, directory, history=None,
                       format=("keras", "saved_model", "checkpoint")):
         """Writes each model as `.keras`, SavedModel, checkpoint and
         metadata; see `hftatf.export.export_models`."""
-        from hftatf.export import export_models
-
-        return export_models(self, directory, history=history, format=format)
+        return hooks.call("export_models", self, directory, history=history,
+                          format=format)
 
     @classmethod
     def from_exported(cls, directory, **fuse_kwargs):
         """The array written by `export_models`, to resume tuning or to
         serve; see `hftatf.export.from_exported`."""
-        from hftatf.export import from_exported
-
-        return from_exported(directory, model_class=cls, **fuse_kwargs)
+        return hooks.call("from_exported", directory, model_class=cls,
+                          **fuse_kwargs)
 
     # -- serialization ------------------------------------------------------
 

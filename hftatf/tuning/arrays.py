@@ -18,7 +18,8 @@ import numpy as np
 
 import hftatf
 from hftatf import optimizers as fused_optimizers
-from hftatf.fuse import _architecture, set_layer_weights, weighted_layers
+from hftatf.fuse import _architecture
+from hftatf.graph import set_layer_weights, weighted_layers
 from hftatf.model import custom_objects
 
 # Compile arguments that the array decides for itself: the optimizer is
