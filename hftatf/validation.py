@@ -22,6 +22,39 @@ def check_num_models(num_models):
     return int(num_models)
 
 
+def is_number(value):
+    """Whether `value` is a real number (a bool is not)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+class ModelCount:
+    """Mixin: the number of models `B` of an object (an optimizer, a
+    schedule) that several of its arguments may each imply; they must
+    agree. The object has a `name`."""
+
+    _num_models = None
+    _num_models_source = None
+
+    @property
+    def num_models(self):
+        """The number of models `B`, or None while it is not known."""
+        return self._num_models
+
+    def _set_num_models(self, num_models, source):
+        """Records `num_models`, implied by `source` (a phrase such as
+        "`beta_1` has 3 values"), or raises a ValueError if an earlier
+        argument implied another number."""
+        if self._num_models is None:
+            self._num_models = num_models
+            self._num_models_source = source
+        elif num_models != self._num_models:
+            raise ValueError(
+                f"{type(self).__name__} '{self.name}' was configured for "
+                f"{self._num_models} models ({self._num_models_source}) but "
+                f"{source}. Give every per-model argument one value per "
+                "model of the array (or a single value shared by all).")
+
+
 def shared(name, value):
     """Returns `value`, an argument that every model of an array shares (a
     flag, a count); raises a ValueError for a sequence, which elsewhere in

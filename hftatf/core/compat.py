@@ -6,3 +6,190 @@ API is missing and the versions it was checked on (Keras 3.15, TensorFlow
 2.21, JAX 0.10 unless it says otherwise). Other hftatf modules import
 private names from here, never from `keras.src` or `tensorflow.python`.
 """
+
+# -- optimizers --
+# Fused optimizers (hftatf.optimizers) subclass keras.optimizers.Optimizer
+# and read the state that Keras keeps in private attributes. Checked on
+# Keras 3.15.
+
+import keras  # noqa: E402
+from keras.src.utils import tracking as _keras_tracking  # noqa: E402
+
+# Public API missing: a build() that adds variables without Keras tracking
+# them as attributes (the stock LossScaleOptimizer.build uses it).
+no_automatic_dependency_tracking = (
+    _keras_tracking.no_automatic_dependency_tracking)
+
+# The private methods of keras.optimizers.Optimizer that fused optimizers
+# override, each with what it changes; Keras has no public hook for any.
+OPTIMIZER_HOOKS = {
+    "_backend_apply_gradients": "accumulation and EMA on each model's own "
+                                "step count",
+    "_backend_update_step": "updates restricted to some models "
+                            "(model_mask); Nadam's per-step product",
+    "_clip_gradients": "norms and values taken per model",
+    "_apply_weight_decay": "a [B] weight decay and learning rate",
+    "_all_reduce_sum_gradients": "replicas' sums of sparse gradients that "
+                                 "global clipping made dense",
+    "_get_current_learning_rate": "[B] rates, schedules at each model's "
+                                  "own step",
+    "_update_model_variables_moving_average": "a [B] EMA momentum",
+    "_overwrite_model_variables_with_average_value": "EMA overwrite of "
+                                                     "some models only",
+}
+
+
+def optimizer_hook(method):
+    """Marks `method` as an override of the private Keras optimizer method
+    of its name; raises at import if Keras no longer has that method (an
+    override Keras does not call would silently do nothing)."""
+    name = method.__name__
+    if name not in OPTIMIZER_HOOKS or not hasattr(
+            keras.optimizers.Optimizer, name):
+        raise ImportError(
+            f"hftatf overrides keras.optimizers.Optimizer.{name}, which this "
+            f"Keras ({keras.__version__}) does not have or hftatf does not "
+            "list in hftatf.core.compat.OPTIMIZER_HOOKS. Install the Keras "
+            "version hftatf supports (3.15).")
+    return method
+
+
+def variable_index(optimizer, variable):
+    """The index of `variable` in `optimizer`'s slot lists. Public API
+    missing: a variable's slot index (private `_get_variable_index`)."""
+    return optimizer._get_variable_index(variable)
+
+
+def variable_key(optimizer, variable):
+    """The key of `variable` in `optimizer`'s exclusion sets. Public API
+    missing: `_var_key` (weight-decay exclusions are kept by it)."""
+    return optimizer._var_key(variable)
+
+
+def trained_variables(optimizer):
+    """The variables `optimizer` was built on. Public API missing: only
+    private `_trainable_variables` holds them (`variables` holds the
+    optimizer's own)."""
+    return optimizer._trainable_variables
+
+
+def step_counter(optimizer):
+    """The raw step-count variable. Public API missing: `iterations`
+    divides it by `gradient_accumulation_steps`; `_iterations` is private."""
+    return optimizer._iterations
+
+
+def learning_rate_setting(optimizer):
+    """The learning rate as given (a schedule, a callable or its variable).
+    Public API missing: `learning_rate` evaluates schedules; the setting is
+    private `_learning_rate`."""
+    return optimizer._learning_rate
+
+
+def moving_averages(optimizer):
+    """The EMA variables, one per trained variable (or None). Public API
+    missing: private `_model_variables_moving_average`."""
+    return optimizer._model_variables_moving_average
+
+
+def accumulated_gradients(optimizer):
+    """The gradient accumulators, one per trained variable. Public API
+    missing: private `_accumulated_gradients`."""
+    return optimizer._accumulated_gradients
+
+
+def slot_lists(optimizer):
+    """`{attribute: list}` of every list of one slot (a variable, or None)
+    per trained variable that `optimizer` holds (`_momentums`,
+    `_velocities`, ...). Public API missing: Keras keeps slots in private
+    per-kind lists and has no public listing of them by kind."""
+    trained = optimizer._trainable_variables
+    return {
+        attribute: value for attribute, value in vars(optimizer).items()
+        if isinstance(value, (list, tuple)) and value
+        and value is not optimizer._variables and value is not trained
+        and len(value) == len(trained)
+        and all(v is None or isinstance(v, keras.Variable) for v in value)
+        and any(v is not None for v in value)}
+
+
+def variable_attributes(optimizer):
+    """`{attribute: variable}` of the variables `optimizer` holds as
+    attributes (`_u_product`, `dynamic_scale`, ...). Public API missing:
+    Keras keeps them in private attributes, unlisted."""
+    return {attribute: value for attribute, value in vars(optimizer).items()
+            if isinstance(value, keras.Variable)}
+
+
+def weight_decay_exclusions(optimizer):
+    """`(keys, pattern)` of the variables `optimizer` excludes from weight
+    decay (either may be None). Public API missing: `exclude_from_weight_
+    decay` sets them; only private attributes hold them."""
+    return (getattr(optimizer, "_exclude_from_weight_decay", None),
+            getattr(optimizer, "_exclude_from_weight_decay_pattern", None))
+
+
+def set_weight_decay_exclusions(optimizer, keys=None, pattern=None):
+    """Sets the exclusions `weight_decay_exclusions` reads, on a built
+    optimizer too. Public API missing: `exclude_from_weight_decay` takes
+    variables or names, not the keys or compiled pattern of another
+    optimizer, and refuses a built optimizer."""
+    if keys is not None:
+        optimizer._exclude_from_weight_decay = set(keys)
+    if pattern is not None:
+        optimizer._exclude_from_weight_decay_pattern = pattern
+        optimizer._exclude_from_weight_decay_cache = {}
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether `optimizer` decays `variable`. Public API missing: private
+    `_use_weight_decay` applies the exclusions."""
+    return optimizer._use_weight_decay(variable)
+
+
+def filter_empty_gradients(optimizer, grads, variables):
+    """The stock `apply`'s removal of None gradients (with its warning).
+    Public API missing: private `_filter_empty_gradients`."""
+    return optimizer._filter_empty_gradients(grads, variables)
+
+
+def overwrite_variables_with_gradients(optimizer, grads, variables):
+    """The stock `apply`'s handling of `overwrite_with_gradient` variables.
+    Public API missing: private `_overwrite_variables_directly_with_
+    gradients`."""
+    return optimizer._overwrite_variables_directly_with_gradients(
+        grads, variables)
+
+
+def check_variables_are_known(optimizer, variables):
+    """The stock `apply`'s check that `variables` are those built on.
+    Public API missing: private `_check_variables_are_known`."""
+    optimizer._check_variables_are_known(variables)
+
+
+def distribution_strategy(optimizer):
+    """The tf.distribute strategy the optimizer was created under. Public
+    API missing: private `_distribution_strategy` (TensorFlow backend)."""
+    return optimizer._distribution_strategy
+
+
+def maybe_merge_call(fn, strategy, *args):
+    """`fn(strategy, *args)` in the cross-replica context, as the
+    TensorFlow optimizer makes its updates. Public API missing:
+    `tf.__internal__.distribute.interim.maybe_merge_call` (TensorFlow
+    2.21)."""
+    import tensorflow as tf  # Only reached on the TensorFlow backend.
+
+    return tf.__internal__.distribute.interim.maybe_merge_call(
+        fn, strategy, *args)
+
+
+def compiled_by_xla():
+    """Whether the TensorFlow function being traced is compiled by XLA.
+    Public API missing: `control_flow_util.GraphOrParentsInXlaContext`
+    (TensorFlow 2.21)."""
+    import tensorflow as tf  # Only reached on the TensorFlow backend.
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph())

@@ -8,6 +8,7 @@ import inspect
 
 import keras
 
+from hftatf.core import compat
 from hftatf.optimizers import schedules
 from hftatf.optimizers.adadelta import Adadelta
 from hftatf.optimizers.adafactor import Adafactor
@@ -175,7 +176,7 @@ def _from_stock(stock, by_name):
             f"hftatf.optimizers: {', '.join(sorted(by_name))}.")
     _check_stock_state(stock)
     config = stock.get_config()
-    rate = stock._learning_rate
+    rate = compat.learning_rate_setting(stock)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         config["learning_rate"] = rate
     try:
@@ -185,17 +186,15 @@ def _from_stock(stock, by_name):
             f"Cannot convert {name} optimizer '{stock.name}' to "
             f"hftatf.optimizers.{fused_cls.__name__}: {error}") from error
     _check_same_config(stock, fused)
-    pattern = getattr(stock, "_exclude_from_weight_decay_pattern", None)
+    _, pattern = compat.weight_decay_exclusions(stock)
     if pattern is not None:
-        fused._exclude_from_weight_decay = set()
-        fused._exclude_from_weight_decay_pattern = pattern
-        fused._exclude_from_weight_decay_cache = {}
+        compat.set_weight_decay_exclusions(fused, keys=(), pattern=pattern)
     return fused
 
 
 def _check_stock_state(stock):
     """Refuses stock state that a config does not carry."""
-    rate = stock._learning_rate
+    rate = compat.learning_rate_setting(stock)
     if callable(rate) and not isinstance(
             rate, (keras.Variable,
                    keras.optimizers.schedules.LearningRateSchedule)):
@@ -203,16 +202,17 @@ def _check_stock_state(stock):
             f"Cannot convert optimizer '{stock.name}': its learning rate is "
             f"a callable ({rate!r}), which fused optimizers do not take. "
             "Pass a float, a LearningRateSchedule, or one per model.")
-    if getattr(stock, "_exclude_from_weight_decay", None):
+    if compat.weight_decay_exclusions(stock)[0]:
         raise TypeError(
             f"Cannot convert optimizer '{stock.name}': it excludes variables "
             "from weight decay by `var_list`, and those are stock variables, "
             "not the array's. Call `exclude_from_weight_decay(var_list=...)` "
             "on the fused optimizer with the array's variables instead.")
-    if int(keras.ops.convert_to_numpy(stock._iterations)) != 0:
+    steps = int(keras.ops.convert_to_numpy(compat.step_counter(stock)))
+    if steps != 0:
         raise ValueError(
             f"Cannot convert optimizer '{stock.name}': it has taken "
-            f"{int(stock._iterations.numpy())} steps, which its config does "
+            f"{steps} steps, which its config does "
             "not carry. Pass a new one.")
 
 

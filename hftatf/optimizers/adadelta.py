@@ -4,6 +4,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["Adadelta"]
@@ -64,7 +65,7 @@ class Adadelta(FusedOptimizer):
         rho = self._hyper("rho", variable)
         one_minus_rho = self._complement("rho", variable)
         epsilon = self._hyper("epsilon", variable)
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         accumulated_grad = self._accumulated_grads[index]
         accumulated_delta_var = self._accumulated_delta_vars[index]
 

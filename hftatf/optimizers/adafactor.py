@@ -6,6 +6,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.lamb import check_required
@@ -83,7 +84,7 @@ class Adafactor(FusedOptimizer):
         self._v = []
         for variable in variables:
             shape = tuple(variable.shape)
-            if self._overwrite_variable_with_gradient(variable):
+            if variable.overwrite_with_gradient:
                 self._r.append(None)
                 self._c.append(None)
                 self._v.append(None)
@@ -112,7 +113,7 @@ class Adafactor(FusedOptimizer):
         one = ops.cast(1.0, variable.dtype)
         local_step = self._local_step(variable)
 
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         r = self._r[index]
         c = self._c[index]
         v = self._v[index]

@@ -5,6 +5,7 @@ import numpy as np
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["Adagrad"]
@@ -93,7 +94,7 @@ class Adagrad(FusedOptimizer):
         squared = self._summed(ops.square(gradient), variable)
         gradient = self._summed(gradient, variable)
         epsilon = self._hyper("epsilon", variable)
-        accumulator = self._accumulators[self._get_variable_index(variable)]
+        accumulator = self._accumulators[compat.variable_index(self, variable)]
 
         self.assign_add(accumulator, squared)
         # `+` on tensors (a slot's `.value`), not ops.add nor a Keras

@@ -3,6 +3,7 @@
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.validation import shared
 
@@ -85,7 +86,7 @@ class Adam(FusedOptimizer):
         gradient = ops.cast(gradient, variable.dtype)
         epsilon = self._hyper("epsilon", variable)
 
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         adam_step(self, gradient, variable, lr, self._momentums[index],
                   self._velocities[index], ("beta_1", "beta_2"), epsilon,
                   self._velocity_hats[index] if self.amsgrad else None)

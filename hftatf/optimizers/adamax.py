@@ -3,6 +3,7 @@
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["Adamax"]
@@ -64,7 +65,7 @@ class Adamax(FusedOptimizer):
         epsilon = self._hyper("epsilon", variable)
         beta_1_power = ops.power(beta_1, self._local_step(variable))
 
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         m = self._m[index]
         u = self._u[index]
 

@@ -5,6 +5,7 @@ import math
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.adagrad import per_model_initial_value
 from hftatf.optimizers.base import FusedOptimizer
 
@@ -84,7 +85,7 @@ class Ftrl(FusedOptimizer):
         # A sparse gradient's occurrences are squared one by one, as stock.
         squared = self._summed(ops.square(gradient), variable)
         gradient = self._summed(gradient, variable)
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         accum = self._accumulators[index]
         linear = self._linears[index]
         lr_power = self._hyper("learning_rate_power", variable)

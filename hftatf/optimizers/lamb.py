@@ -3,6 +3,7 @@
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["Lamb"]
@@ -92,7 +93,7 @@ class Lamb(FusedOptimizer):
         beta_1_power = ops.power(beta_1, local_step)
         beta_2_power = ops.power(beta_2, local_step)
 
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         m = self._momentums[index]
         v = self._velocities[index]
 

@@ -5,6 +5,7 @@ import re
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.lamb import check_required, model_norm, trust_ratio
 from hftatf.validation import shared
@@ -100,14 +101,15 @@ class Lars(FusedOptimizer):
                 f"before the optimizer is built; optimizer '{self.name}' is "
                 "built. Call it before the first `apply_gradients`.")
         self._exclude_from_layer_adaptation = set(
-            self._var_key(variable) for variable in var_list or [])
+            compat.variable_key(self, variable) for variable in var_list or [])
         self._exclude_from_layer_adaptation_pattern = (
             re.compile("|".join(set(var_names))) if var_names else None)
 
     def _use_layer_adaptation(self, variable):
         if self._exclude_from_layer_adaptation is None:
-            return self._use_weight_decay(variable)
-        if self._var_key(variable) in self._exclude_from_layer_adaptation:
+            return compat.uses_weight_decay(self, variable)
+        if (compat.variable_key(self, variable)
+                in self._exclude_from_layer_adaptation):
             return False
         pattern = self._exclude_from_layer_adaptation_pattern
         return pattern is None or re.search(pattern, variable.name) is None
@@ -118,6 +120,7 @@ class Lars(FusedOptimizer):
         super().build(variables)
         self._momentums = self.add_optimizer_variables(variables, "momentum")
 
+    @compat.optimizer_hook
     def _apply_weight_decay(self, variables):
         # LARS decays inside `update_step`, through the gradient and the
         # trust ratio, not before it as Keras's decoupled weight decay does.
@@ -127,10 +130,10 @@ class Lars(FusedOptimizer):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
         momentum = self._hyper("momentum", variable)
-        v = self._momentums[self._get_variable_index(variable)]
+        v = self._momentums[compat.variable_index(self, variable)]
 
-        if self.weight_decay is not None and self._use_weight_decay(
-                variable):
+        if self.weight_decay is not None and compat.uses_weight_decay(
+                self, variable):
             weight_decay = self._hyper("weight_decay", variable)
             gradient_decayed = gradient + weight_decay * variable
         else:

@@ -3,6 +3,7 @@
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["Lion"]
@@ -68,7 +69,7 @@ class Lion(FusedOptimizer):
         gradient = ops.cast(gradient, variable.dtype)
         beta_1 = self._hyper("beta_1", variable)
         beta_2 = self._hyper("beta_2", variable)
-        m = self._momentums[self._get_variable_index(variable)]
+        m = self._momentums[compat.variable_index(self, variable)]
 
         self.assign_sub(
             variable,

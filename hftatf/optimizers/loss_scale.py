@@ -3,10 +3,10 @@
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.utils import tracking
 
 from hftatf import sparse
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
 
@@ -102,7 +102,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
 
     # -- building -----------------------------------------------------------
 
-    @tracking.no_automatic_dependency_tracking
+    @compat.no_automatic_dependency_tracking
     def build(self, var_list):
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
@@ -179,13 +179,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        variables = trainable_variables or self._trainable_variables
+        variables = trainable_variables or compat.trained_variables(self)
         finite = self.check_finite(grads)
         model_mask = self._standardize_model_mask(model_mask)
         applied = finite if model_mask is None else ops.logical_and(
             finite, model_mask)
         unscaled = [
-            g if g is None or self._overwrite_variable_with_gradient(v)
+            g if g is None or v.overwrite_with_gradient
             else self._unscaled(g) for g, v in zip(grads, variables)]
         self.inner_optimizer.apply(unscaled, trainable_variables,
                                    model_mask=applied)

@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.adam import adam_step
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.validation import shared
@@ -120,7 +121,7 @@ class Muon(FusedOptimizer):
     def update_step(self, gradient, variable, learning_rate):
         lr = self._per_model(learning_rate, variable)
         gradient = ops.cast(gradient, variable.dtype)
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         m = self.momentums[index]
         if self.adam_velocities[index] is not None:
             adam_step(self, gradient, variable,
@@ -141,9 +142,10 @@ class Muon(FusedOptimizer):
                 self.rms_rate)
         self.assign_sub(variable, lr * update)
 
+    @compat.optimizer_hook
     def _apply_weight_decay(self, variables):
         for variable in variables:
-            if not self._use_weight_decay(variable):
+            if not compat.uses_weight_decay(self, variable):
                 continue
             name = ("adam_weight_decay" if self.uses_adam(variable)
                     else "weight_decay")

@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["Nadam"]
@@ -55,6 +56,7 @@ class Nadam(FusedOptimizer):
             (self.num_models,), initializer="ones", dtype=dtype,
             aggregation="only_first_replica", name="u_product")
 
+    @compat.optimizer_hook
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         # Advanced here, once per step before the variables are updated, as
         # stock Nadam does; skipped with them on gradient-accumulation steps.
@@ -87,7 +89,7 @@ class Nadam(FusedOptimizer):
         u_product_t_1 = u_product_t * u_t_1
         beta_2_power = ops.power(beta_2, local_step)
 
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         m = self._momentums[index]
         v = self._velocities[index]
 

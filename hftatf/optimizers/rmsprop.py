@@ -4,6 +4,7 @@ import numpy as np
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.validation import shared
 
@@ -91,7 +92,7 @@ class RMSprop(FusedOptimizer):
         gradient = self._summed(gradient, variable)
         rho = self._hyper("rho", variable)
         epsilon = self._hyper("epsilon", variable)
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         velocity = self._velocities[index]
 
         # `+` on tensors (a slot's `.value`), not ops.add nor a Keras

@@ -4,6 +4,7 @@ import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["ScheduleFreeAdamW"]
@@ -70,7 +71,7 @@ class ScheduleFreeAdamW(FusedOptimizer):
         # which also runs where the optimizer is built symbolically (an
         # assignment, as in the stock `build`, would not run there).
         self._momentums = [
-            None if self._overwrite_variable_with_gradient(variable)
+            None if variable.overwrite_with_gradient
             else self.add_variable_from_reference(
                 variable, name="momentum",
                 initializer=_value_of(variable))
@@ -90,7 +91,7 @@ class ScheduleFreeAdamW(FusedOptimizer):
         epsilon = self._hyper("epsilon", variable)
         if self.warmup_steps > 0:
             lr = lr * ops.minimum(local_step / float(self.warmup_steps), 1.0)
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         momentum = self._momentums[index]
         velocity = self._velocities[index]
         momentum_old = momentum.value

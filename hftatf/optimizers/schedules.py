@@ -20,14 +20,13 @@ Give one of these to a fused optimizer as its `learning_rate`:
 """
 
 import math
-import numbers
 
 import keras
 import numpy as np
 from keras import ops
 
 from hftatf.api import hftatf_export
-from hftatf.validation import check_num_models, shared
+from hftatf.validation import ModelCount, check_num_models, is_number, shared
 
 __all__ = [
     "FusedSchedule",
@@ -41,12 +40,8 @@ __all__ = [
 Schedule = keras.optimizers.schedules.LearningRateSchedule
 
 
-def _is_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 @hftatf_export
-class FusedSchedule(Schedule):
+class FusedSchedule(ModelCount, Schedule):
     """Base class of per-model schedules.
 
     Subclasses declare each per-model parameter with `_parameter` in
@@ -65,28 +60,9 @@ class FusedSchedule(Schedule):
     def __init__(self, num_models=None, name=None):
         super().__init__()
         self.name = name
-        self._num_models = None
-        self._num_models_source = None
         if num_models is not None:
             self._set_num_models(check_num_models(num_models),
                                  f"num_models={num_models}")
-
-    @property
-    def num_models(self):
-        """The number of models `B`, or None while it is not known."""
-        return self._num_models
-
-    def _set_num_models(self, num_models, source):
-        if self._num_models is None:
-            self._num_models = num_models
-            self._num_models_source = source
-        elif num_models != self._num_models:
-            raise ValueError(
-                f"Schedule '{self.name}' was configured for "
-                f"{self._num_models} models ({self._num_models_source}) but "
-                f"{source}. Give every per-model parameter one value per "
-                "model of the array (or a single value shared by all)."
-            )
 
     def _parameter(self, name, value, low=None, low_open=False,
                    allow_none=False):
@@ -186,7 +162,7 @@ class FusedSchedule(Schedule):
 def _per_model_items(name, value, allow_none):
     """A float (or None), or a list of them; a TypeError otherwise."""
     def valid(item):
-        return _is_number(item) or (allow_none and item is None)
+        return is_number(item) or (allow_none and item is None)
 
     if valid(value):
         return None if value is None else float(value)

@@ -4,6 +4,7 @@ import numpy as np
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.validation import shared
 
@@ -67,7 +68,7 @@ class SGD(FusedOptimizer):
         if not self.momentums:
             self.assign_sub(variable, ops.multiply(gradient, learning_rate))
             return
-        m = self.momentums[self._get_variable_index(variable)]
+        m = self.momentums[compat.variable_index(self, variable)]
         momentum = self._hyper("momentum", variable)
         self.assign(m, ops.subtract(ops.multiply(m, momentum),
                                     ops.multiply(gradient, learning_rate)))

@@ -13,6 +13,7 @@ model `b` would have gone on in the array.
 import keras
 from keras import ops
 
+from hftatf.core import compat
 from hftatf.optimizers.schedules import FusedSchedule
 
 # The fused settings that are per-model floats where the stock ones are
@@ -56,10 +57,9 @@ def stock_optimizer(optimizer, index):
             value = None
         config[name] = value
     stock = stock_class.from_config(config)
-    pattern = getattr(optimizer, "_exclude_from_weight_decay_pattern", None)
+    _, pattern = compat.weight_decay_exclusions(optimizer)
     if pattern is not None:
-        stock._exclude_from_weight_decay_pattern = pattern
-        stock._exclude_from_weight_decay_cache = {}
+        compat.set_weight_decay_exclusions(stock, pattern=pattern)
     return stock
 
 
@@ -104,12 +104,12 @@ def copy_state(optimizer, index, stock, variables):
             counterpart in the fused one (the stock state would be wrong).
     """
     inner = getattr(optimizer, "inner_optimizer", optimizer)
-    excluded = getattr(inner, "_exclude_from_weight_decay", None)
+    excluded, _ = compat.weight_decay_exclusions(inner)
     if excluded:
-        keys = [s for f, s in variables if inner._var_key(f) in excluded]
         stock_inner = getattr(stock, "inner_optimizer", stock)
-        stock_inner._exclude_from_weight_decay = {
-            stock_inner._var_key(s) for s in keys}
+        compat.set_weight_decay_exclusions(stock_inner, keys=[
+            compat.variable_key(stock_inner, s) for f, s in variables
+            if compat.variable_key(inner, f) in excluded])
     stock.build([s for _, s in variables])
     if optimizer.built:  # Else its state is the initial one, as `stock`'s.
         _copy_variables(optimizer, index, stock, variables)
@@ -130,19 +130,18 @@ def _copy_variables(optimizer, index, stock, variables):
     if inner is not None:
         _copy_variables(inner, index, stock.inner_optimizer, variables)
     done = set()
-    for attribute, slots in vars(stock).items():
+    for attribute, slots in compat.slot_lists(stock).items():
         fused_slots = getattr(optimizer, attribute, None)
-        if not (_is_slot_list(slots, stock)
-                and isinstance(fused_slots, (list, tuple))):
+        if not isinstance(fused_slots, (list, tuple)):
             continue
         for fused, variable in variables:
-            slot = slots[stock._get_variable_index(variable)]
+            slot = slots[compat.variable_index(stock, variable)]
             if slot is not None:
-                source = fused_slots[optimizer._get_variable_index(fused)]
+                source = fused_slots[compat.variable_index(optimizer, fused)]
                 slot.assign(_model_value(optimizer, source, index, slot))
                 done.add(id(slot))
-    fused_by_name = {v.name: v for v in optimizer._variables}
-    for variable in stock._variables:
+    fused_by_name = {v.name: v for v in optimizer.variables}
+    for variable in stock.variables:
         if id(variable) in done:
             continue
         source = _counterpart(optimizer, stock, variable, fused_by_name)
@@ -155,25 +154,14 @@ def _copy_variables(optimizer, index, stock, variables):
         variable.assign(_model_value(optimizer, source, index, variable))
 
 
-def _is_slot_list(value, stock):
-    """Whether `value` is a list of one slot (or None) per variable."""
-    return (isinstance(value, (list, tuple)) and value
-            and value is not stock._variables
-            and value is not stock._trainable_variables
-            and len(value) == len(stock._trainable_variables)
-            and all(v is None or isinstance(v, keras.Variable)
-                    for v in value)
-            and any(v is not None for v in value))
-
-
 def _counterpart(optimizer, stock, variable, fused_by_name):
     """The fused optimizer's variable (or what to read for it) that holds
     what the stock non-slot `variable` holds."""
-    if variable is stock._iterations:
+    if variable is compat.step_counter(stock):
         return _ITERATIONS
-    if variable is getattr(stock, "_learning_rate", None):
+    if variable is compat.learning_rate_setting(stock):
         return _LEARNING_RATE
-    for attribute, value in vars(stock).items():
+    for attribute, value in compat.variable_attributes(stock).items():
         if value is variable and isinstance(
                 getattr(optimizer, attribute, None), keras.Variable):
             return getattr(optimizer, attribute)
