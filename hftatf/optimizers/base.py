@@ -70,6 +70,19 @@ class FusedOptimizer(PerModelHyperparameters, PerModelClipping,
     the others each gradient is made dense (occurrences of a row summed)
     before `update_step`, which equals the stock sparse update.
 
+    Slots (the contract `stock_optimizer` and `copy_state` rely on, and so
+    `FusedModel.unfuse`, per-model export and checkpoints): an optimizer
+    whose class has a stock Keras counterpart keeps each kind of slot as
+    the stock optimizer does, under the stock attribute's name
+    (`_momentums`, `_velocities`, `momentums`, ...): a list with one
+    `[B, ...]` slot (or None) per variable, in the order of the variables
+    it was built on, model `b`'s slot being `slot[b]`, of the stock slot's
+    shape (`self.add_optimizer_variables(variables, ...)` makes such a
+    list). Its other state variables carry the stock attribute's name
+    (Nadam's `_u_product`) or the stock variable's name. Giving a stock
+    optimizer the state of an optimizer that keeps a slot elsewhere raises
+    a ValueError naming the slot.
+
     Partial steps: `apply(grads, model_mask=mask)` (and `apply_gradients`)
     with a `[B]` boolean `mask` updates only the models where `mask` is
     True. Subclasses get this for free as long as they update every

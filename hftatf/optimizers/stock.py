@@ -120,24 +120,23 @@ def _copy_variables(optimizer, index, stock, variables):
     """Sets each variable `stock` itself holds (not an inner optimizer's)
     to model `index`'s value of its counterpart in `optimizer`.
 
-    Slots are found as optimizers keep them, in lists by variable index
-    (`_momentums[i]` is the momentum of variable `i`), under the same
-    attribute in the fused optimizer; their names may repeat (Adafactor
-    names both factors after the variable). The other variables are found
-    under the same attribute (`_u_product`, `dynamic_scale`) or name.
+    Slots are found by the slot contract of `FusedOptimizer`: in lists by
+    variable index (`_momentums[i]` is the momentum of variable `i`), under
+    the stock attribute's name; their names may repeat (Adafactor names
+    both factors after the variable). The other variables are found under
+    the same attribute (`_u_product`, `dynamic_scale`) or name.
     """
     inner = getattr(optimizer, "inner_optimizer", None)
     if inner is not None:
         _copy_variables(inner, index, stock.inner_optimizer, variables)
     done = set()
+    fused_lists = compat.slot_lists(optimizer)
     for attribute, slots in compat.slot_lists(stock).items():
-        fused_slots = getattr(optimizer, attribute, None)
-        if not isinstance(fused_slots, (list, tuple)):
-            continue
         for fused, variable in variables:
             slot = slots[compat.variable_index(stock, variable)]
             if slot is not None:
-                source = fused_slots[compat.variable_index(optimizer, fused)]
+                source = _fused_slot(optimizer, stock, attribute,
+                                     fused_lists, fused, slot)
                 slot.assign(_model_value(optimizer, source, index, slot))
                 done.add(id(slot))
     fused_by_name = {v.name: v for v in optimizer.variables}
@@ -152,6 +151,46 @@ def _copy_variables(optimizer, index, stock, variables):
                 f"'{variable.name}' has no counterpart in the fused "
                 "optimizer.")
         variable.assign(_model_value(optimizer, source, index, variable))
+
+
+def _fused_slot(optimizer, stock, attribute, fused_lists, fused, slot):
+    """The fused optimizer's slot that holds, for every model, what the
+    stock `slot` (of `attribute`, for the fused variable `fused`) holds;
+    a ValueError naming the slot where the fused optimizer breaks the slot
+    contract of `FusedOptimizer`."""
+    slots = fused_lists.get(attribute)
+    if slots is None:
+        value = getattr(optimizer, attribute, None)
+        others = ", ".join(f"`{name}`" for name in fused_lists) or "none"
+        found = (f"has no attribute `{attribute}`" if value is None
+                 else f"holds {type(value).__name__} {value!r:.60} in "
+                 f"`{attribute}`")
+        raise _contract_error(optimizer, stock, attribute, (
+            f"{found} (its lists of one slot per variable: {others})"))
+    source = slots[compat.variable_index(optimizer, fused)]
+    want = (optimizer.num_models, *slot.shape)
+    if source is None or tuple(source.shape) not in (want,
+                                                      tuple(slot.shape)):
+        found = ("None" if source is None
+                 else f"a slot of shape {tuple(source.shape)}")
+        raise _contract_error(optimizer, stock, attribute, (
+            f"holds {found} for variable '{fused.path}' in "
+            f"`{attribute}`, where the stock slot has shape "
+            f"{tuple(slot.shape)}: expected shape {want}"))
+    return source
+
+
+def _contract_error(optimizer, stock, attribute, found):
+    name = type(optimizer).__name__
+    return ValueError(
+        f"Cannot give the stock optimizer '{stock.name}' the state of "
+        f"'{optimizer.name}': stock {type(stock).__name__} keeps slots in "
+        f"`{attribute}`, and {name} {found}. Expected: `{attribute}`, a "
+        "list of one [num_models, ...] slot (or None) per variable, in the "
+        f"order of the variables it was built on. Fix: in {name}.build, "
+        f"store these slots as `self.{attribute} = "
+        "self.add_optimizer_variables(variables, ...)` (the slot contract "
+        "of hftatf.optimizers.FusedOptimizer).")
 
 
 def _counterpart(optimizer, stock, variable, fused_by_name):

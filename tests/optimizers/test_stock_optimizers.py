@@ -16,6 +16,7 @@ from testing import assert_close
 import hftatf
 from hftatf import optimizers
 from hftatf.optimizers import schedules
+from hftatf.optimizers.stock import copy_state
 
 B = 2
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -266,3 +267,44 @@ def test_no_stock_form_leaves_the_models_uncompiled(optimizer):
     assert not any(m.compiled for m in models)
     with pytest.raises(TypeError, match="no stock"):
         optimizers.stock_optimizer(array.optimizer, 0)
+
+
+class SlotsNamedElsewhere(optimizers.Adam):
+    """Adam keeping its slots under names of its own, not the stock
+    `_momentums` and `_velocities`: it breaks the slot contract of
+    `FusedOptimizer`."""
+
+    def build(self, variables):
+        super(optimizers.Adam, self).build(variables)
+        self._m, self._v = self.add_optimizer_variables(
+            variables, ["momentum", "velocity"])
+
+
+class SlotsOfTheWrongShape(optimizers.Adam):
+    """Adam keeping one momentum for all models: no model axis."""
+
+    def build(self, variables):
+        super().build(variables)
+        self._momentums = [self.add_variable((4,), name="momentum")]
+
+
+@pytest.mark.parametrize("cls, found", [
+    (SlotsNamedElsewhere, r"SlotsNamedElsewhere has no attribute "
+     r"`_momentums` \(its lists of one slot per variable: `_m`, `_v`\)"),
+    (SlotsOfTheWrongShape, r"SlotsOfTheWrongShape holds a slot of shape "
+     r"\(4,\) for variable 'kernel' in `_momentums`, where the stock slot "
+     r"has shape \(3,\): expected shape \(2, 3\)"),
+], ids=["named_elsewhere", "wrong_shape"])
+def test_a_slot_outside_the_contract_is_named(cls, found):
+    fused = cls(0.01)
+    fused_kernel = keras.Variable(np.ones((B, 3)), name="kernel")
+    fused.build([fused_kernel])
+    stock_kernel = keras.Variable(np.ones(3), name="kernel")
+    with pytest.raises(ValueError, match=(
+            r"stock Adam keeps slots in `_momentums`, and " + found
+            + r"\. Expected: `_momentums`, a list of one \[num_models, "
+            r"\.\.\.\] slot \(or None\) per variable.*Fix: in "
+            + cls.__name__ + r"\.build, store these slots as "
+            r"`self\._momentums = self\.add_optimizer_variables")):
+        copy_state(fused, 0, keras.optimizers.Adam(0.01),
+                   [(fused_kernel, stock_kernel)])
