@@ -1,6 +1,8 @@
 """Checks on user input shared by layers, optimizers and models."""
 
+import math
 import numbers
+import typing
 
 
 def check_num_models(num_models):
@@ -86,3 +88,72 @@ def check_model_axis(layer_name, num_models, shape, axis=1):
             f"num_models={num_models} on axis {axis}. Received input shape "
             f"{tuple(shape)}."
         )
+
+
+class Range(typing.NamedTuple):
+    """An interval of numbers, with the reason values outside it cannot be
+    right (`why`) and, optionally, how to fix such a value (`fix`)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+    fix: str = ""
+
+    def holds(self, value):
+        """Whether `value` is a finite number inside the interval."""
+        if not is_number(value) or not math.isfinite(value):
+            return False
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return above and below
+
+    def expected(self):
+        """What the interval holds, as text: "a finite number in [0, 1)",
+        "a finite number >= 0", ..., "a finite number"."""
+        if self.low == -math.inf and self.high == math.inf:
+            return "a finite number"
+        if self.high == math.inf:
+            bound = f"{'>' if self.low_open else '>='} {self.low:g}"
+        elif self.low == -math.inf:
+            bound = f"{'<' if self.high_open else '<='} {self.high:g}"
+        else:
+            bound = (f"in {'(' if self.low_open else '['}{self.low:g}, "
+                     f"{self.high:g}{')' if self.high_open else ']'}")
+        return f"a finite number {bound}"
+
+
+# A learning rate of 0 is accepted, as stock Keras accepts it: that model's
+# weights stay as they are.
+LEARNING_RATE = Range(
+    0.0, why=" (positive, or 0 to leave that model's weights unchanged)",
+    fix="Pass a positive learning rate such as 0.001, or one per model.")
+
+
+def check_range(name, value, valid):
+    """Returns `value`, a number or a sequence of one number per model of
+    an array, if each of its numbers is finite and inside `valid` (a
+    `Range`); raises a ValueError naming the argument, the model, the
+    value received, the interval expected and the fix otherwise. Entries
+    that are not numbers (None, schedules) are left to other checks."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    for model, item in enumerate(values):
+        if item is None or not is_number(item) or valid.holds(item):
+            continue
+        where = (f"model {model} has {name}={item!r} (received: "
+                 f"{name}={list(value)!r})"
+                 if isinstance(value, (list, tuple))
+                 else f"received: {name}={item!r}")
+        fix = valid.fix or (
+            f"Pass {valid.expected()}, or one such number per model.")
+        raise ValueError(
+            f"`{name}` must be {valid.expected()}{valid.why} for every "
+            f"model; {where}. {fix}")
+    return value
+
+
+def check_learning_rate(value, name="learning_rate"):
+    """`check_range` for learning rates (finite, >= 0): the check of every
+    learning rate an hftatf optimizer or launcher takes."""
+    return check_range(name, value, LEARNING_RATE)

@@ -30,7 +30,8 @@ OPTIMIZER_HOOKS = {
     "_clip_gradients": "norms and values taken per model",
     "_apply_weight_decay": "a [B] weight decay and learning rate",
     "_all_reduce_sum_gradients": "replicas' sums of sparse gradients that "
-                                 "global clipping made dense",
+                                 "global clipping made dense (TensorFlow "
+                                 "only)",
     "_get_current_learning_rate": "[B] rates, schedules at each model's "
                                   "own step",
     "_update_model_variables_moving_average": "a [B] EMA momentum",
@@ -38,14 +39,19 @@ OPTIMIZER_HOOKS = {
                                                      "some models only",
 }
 
+_TENSORFLOW_OPTIMIZER_HOOKS = ("_all_reduce_sum_gradients",)
+
 
 def optimizer_hook(method):
     """Marks `method` as an override of the private Keras optimizer method
     of its name; raises at import if Keras no longer has that method (an
     override Keras does not call would silently do nothing)."""
     name = method.__name__
-    if name not in OPTIMIZER_HOOKS or not hasattr(
-            keras.optimizers.Optimizer, name):
+    # The optimizer of another backend has no TensorFlow-only hook.
+    elsewhere = (name in _TENSORFLOW_OPTIMIZER_HOOKS
+                 and keras.backend.backend() != "tensorflow")
+    if name not in OPTIMIZER_HOOKS or not (
+            elsewhere or hasattr(keras.optimizers.Optimizer, name)):
         raise ImportError(
             f"hftatf overrides keras.optimizers.Optimizer.{name}, which this "
             f"Keras ({keras.__version__}) does not have or hftatf does not "

@@ -9,6 +9,7 @@ from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.optimizers.hyperparameters import RANGES
 from hftatf.optimizers.lamb import check_required
 from hftatf.validation import shared
 
@@ -59,6 +60,9 @@ class Adafactor(FusedOptimizer):
     """
 
     applies_sparse_gradients = True
+
+    hyperparameter_ranges = {"epsilon_1": RANGES["epsilon"],
+                             "epsilon_2": RANGES["epsilon"]}
 
     def __init__(self, learning_rate=0.001, beta_2_decay=-0.8,
                  epsilon_1=1e-30, epsilon_2=1e-3, clip_threshold=1.0,

@@ -5,6 +5,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.validation import Range
 
 __all__ = ["Adamax"]
 
@@ -37,6 +38,9 @@ class Adamax(FusedOptimizer):
 
     applies_sparse_gradients = True
     complemented_hyperparameters = ("beta_1",)
+
+    # At 1 the infinity norm `u` just never decays: no division by zero.
+    hyperparameter_ranges = {"beta_2": Range(0.0, 1.0)}
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-7, **kwargs):

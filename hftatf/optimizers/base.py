@@ -105,6 +105,11 @@ class FusedOptimizer(PerModelHyperparameters, PerModelClipping,
     # values near 1 (`1 - float32(0.9999)`), and each step with it.
     complemented_hyperparameters = ()
 
+    # `{name: hftatf.validation.Range}`: the ranges of this class's
+    # hyper-parameters where they differ from (or add to) those every fused
+    # optimizer checks (`hyperparameters.RANGES`).
+    hyperparameter_ranges = {}
+
     def __init__(
         self,
         learning_rate,
@@ -156,8 +161,7 @@ class FusedOptimizer(PerModelHyperparameters, PerModelClipping,
                 learning_rate.num_models,
                 f"its learning-rate schedule '{learning_rate.name}' is "
                 f"configured for {learning_rate.num_models} models")
-        if self.use_ema:
-            self._check_range("ema_momentum", 0.0, 1.0)
+        self._check_hyperparameters()
 
     # -- the model axis -----------------------------------------------------
 

@@ -1,13 +1,12 @@
 """Fused FTRL-Proximal."""
 
-import math
-
 from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.adagrad import per_model_initial_value
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.validation import Range
 
 __all__ = ["Ftrl"]
 
@@ -42,6 +41,14 @@ class Ftrl(FusedOptimizer):
     """
 
     applies_sparse_gradients = True
+    # The ranges the stock Ftrl checks (`initial_accumulator_value` is
+    # checked by every fused optimizer).
+    hyperparameter_ranges = {
+        "learning_rate_power": Range(high=0.0),
+        "l1_regularization_strength": Range(0.0),
+        "l2_regularization_strength": Range(0.0),
+        "l2_shrinkage_regularization_strength": Range(0.0),
+    }
 
     def __init__(self, learning_rate=0.001, learning_rate_power=-0.5,
                  initial_accumulator_value=0.1,
@@ -62,12 +69,6 @@ class Ftrl(FusedOptimizer):
             },
             **kwargs,
         )
-        self._check_range("initial_accumulator_value", 0.0, math.inf)
-        self._check_range("learning_rate_power", -math.inf, 0.0)
-        self._check_range("l1_regularization_strength", 0.0, math.inf)
-        self._check_range("l2_regularization_strength", 0.0, math.inf)
-        self._check_range("l2_shrinkage_regularization_strength", 0.0,
-                          math.inf)
 
     def build(self, variables):
         if self.built:

@@ -8,6 +8,7 @@ be changed between steps (from a callback, say) without retracing.
 """
 
 import contextlib
+import inspect
 
 import keras
 import numpy as np
@@ -17,9 +18,39 @@ from keras import ops
 from hftatf.core import compat
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers import scopes
-from hftatf.validation import is_number
+from hftatf.validation import LEARNING_RATE, Range, check_range, is_number
 
 Schedule = keras.optimizers.schedules.LearningRateSchedule
+
+_CLIP = Range(0.0, why=" (0 turns clipping off for that model)")
+_BETA = Range(0.0, 1.0, high_open=True,
+              why=" (at 1 a bias correction, 1 - beta**step, is 0: a "
+              "division by zero)")
+
+# What every fused optimizer accepts for its hyper-parameters of these
+# names; a class replaces or adds entries in `hyperparameter_ranges`, and
+# any other float hyper-parameter must be finite. The stock optimizers take
+# values outside silently; these are the values that cannot be right.
+RANGES = {
+    "learning_rate": LEARNING_RATE,
+    "weight_decay": Range(0.0, why=" (a negative decay grows the weights)"),
+    "clipnorm": _CLIP,
+    "clipvalue": _CLIP,
+    "global_clipnorm": _CLIP,
+    "epsilon": Range(0.0, why=" (it keeps a denominator off 0, which a "
+                     "negative one can reach)"),
+    "beta_1": _BETA,
+    "beta_2": _BETA,
+    "momentum": Range(0.0, 1.0),
+    "ema_momentum": Range(0.0, 1.0),
+    "initial_accumulator_value": Range(
+        0.0, why=" (the accumulator is a sum of squares)"),
+}
+
+# The attributes of a learning-rate schedule, stock or hftatf, that hold
+# learning rates (a number, or one per model).
+_SCHEDULE_RATES = ("initial_learning_rate", "warmup_target",
+                   "end_learning_rate")
 
 
 class PerModelHyperparameters:
@@ -82,7 +113,7 @@ class PerModelHyperparameters:
                 "constructor to make it settable."
             )
         if name in self._hyper_ranges:
-            self._check_range(name, *self._hyper_ranges[name], value=value)
+            self._check_range(name, self._hyper_ranges[name], value=value)
         if isinstance(value, list):
             self._set_num_models(len(value), f"`{name}` has {len(value)} "
                                  "values")
@@ -113,18 +144,33 @@ class PerModelHyperparameters:
             return
         super().__setattr__(name, value)
 
-    def _check_range(self, name, low, high, value=None):
-        """Raises a ValueError unless every value of `name` is in range;
-        the range is checked again whenever `name` is set."""
-        self._hyper_ranges[name] = (low, high)
+    def _check_hyperparameters(self):
+        """Checks every float hyper-parameter against its range (`RANGES`,
+        `hyperparameter_ranges`; finite for the others), and the rates of
+        learning-rate schedules. `ema_momentum` is checked only with
+        `use_ema`, as the stock optimizer checks it."""
+        ranges = {**RANGES, **self.hyperparameter_ranges}
+        for name, value in self._hyper_values.items():
+            if value is not None and (name != "ema_momentum"
+                                      or self.use_ema):
+                self._check_range(name, ranges.get(name, Range()))
+        for schedule in self._learning_rate_schedules():
+            _check_schedule_rates(schedule)
+
+    def _check_range(self, name, valid, value=None):
+        """Raises a ValueError unless every value of `name` (or `value`) is
+        a finite number in the `Range` `valid`; `valid` is checked again
+        whenever `name` is set."""
+        self._hyper_ranges[name] = valid
         if value is None:
             value = self._hyper_values[name]
-        values = value if isinstance(value, list) else [value]
-        if any(not low <= v <= high for v in values):
-            raise ValueError(
-                f"`{name}` must be between {low} and {high} for every model. "
-                f"Received: {name}={value!r}."
-            )
+        default = inspect.signature(type(self)).parameters.get(name)
+        if not valid.fix and default is not None and is_number(
+                default.default):
+            valid = valid._replace(fix=(
+                f"Pass {valid.expected()} (the default is "
+                f"{default.default:g}), or one such number per model."))
+        check_range(name, value, valid)
 
     def _check_hyper_name(self, name):
         if name not in self._hyper_values:
@@ -320,6 +366,26 @@ class PerModelHyperparameters:
                 return value
             return [float(v) for v in current]
         return value
+
+
+def _check_schedule_rates(schedule):
+    """Raises a ValueError for a learning rate of `schedule` that is not a
+    finite number >= 0: its initial rate (and the others it holds, a
+    `PiecewiseConstantDecay`'s values, a warm-up's base schedule)."""
+    owner = type(schedule).__name__
+    for attribute in _SCHEDULE_RATES:
+        check_range(f"{owner}.{attribute}",
+                    getattr(schedule, attribute, None), LEARNING_RATE)
+    values = getattr(schedule, "values", None)
+    for index, value in enumerate(values if isinstance(values, list)
+                                  else []):
+        check_range(f"{owner}.values[{index}]", value, LEARNING_RATE)
+    after = getattr(schedule, "after", None)
+    for base in after if isinstance(after, list) else [after]:
+        if isinstance(base, Schedule):
+            _check_schedule_rates(base)
+    if after is not None and not isinstance(after, Schedule):
+        check_range(f"{owner}.after", after, LEARNING_RATE)
 
 
 def _as_vector(rate):

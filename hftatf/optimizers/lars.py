@@ -8,7 +8,7 @@ from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.lamb import check_required, model_norm, trust_ratio
-from hftatf.validation import shared
+from hftatf.validation import Range, shared
 
 __all__ = ["Lars"]
 
@@ -66,6 +66,8 @@ class Lars(FusedOptimizer):
             `name`, `num_models`).
     """
 
+    hyperparameter_ranges = {"eta": Range(0.0)}
+
     def __init__(self, learning_rate=0.01, momentum=0.9, eta=0.001,
                  epsilon=1e-8, nesterov=False, weight_decay=None, **kwargs):
         check_required(self, momentum=momentum, eta=eta, epsilon=epsilon)
@@ -76,9 +78,6 @@ class Lars(FusedOptimizer):
             weight_decay=weight_decay,
             **kwargs,
         )
-        self._check_range("momentum", 0.0, 1.0)
-        self._check_range("eta", 0.0, float("inf"))
-        self._check_range("epsilon", 0.0, float("inf"))
         self.nesterov = bool(shared("nesterov", nesterov))
         self._exclude_from_layer_adaptation = None
         self._exclude_from_layer_adaptation_pattern = None

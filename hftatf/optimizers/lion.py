@@ -5,6 +5,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.validation import Range
 
 __all__ = ["Lion"]
 
@@ -28,11 +29,20 @@ class Lion(FusedOptimizer):
             Defaults to 0.001.
         beta_1: a float in (0, 1] or a length-B sequence of them (at 0 Lion
             degenerates to SignSGD, so Keras rejects it). Defaults to 0.9.
-        beta_2: a float or a length-B sequence. Defaults to 0.99.
+        beta_2: a float in [0, 1] or a length-B sequence of them.
+            Defaults to 0.99.
         **kwargs: the other arguments of `hftatf.optimizers.FusedOptimizer`
             (`weight_decay`, `clipnorm`, `clipvalue`, `global_clipnorm`,
             `use_ema`, ..., `name`, `num_models`).
     """
+
+    # Keras refuses a beta_1 of 0; at 1 Lion steps on the sign of its
+    # momentum alone, and no bias correction divides by 1 - beta.
+    hyperparameter_ranges = {
+        "beta_1": Range(0.0, 1.0, low_open=True,
+                        why=" (at 0 Lion degenerates to SignSGD, so Keras "
+                        "refuses it)"),
+        "beta_2": Range(0.0, 1.0)}
 
     def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.99,
                  **kwargs):
@@ -41,22 +51,6 @@ class Lion(FusedOptimizer):
             hyperparameters={"beta_1": beta_1, "beta_2": beta_2},
             **kwargs,
         )
-        self._check_range("beta_1", 0.0, 1.0)
-
-    def _check_range(self, name, low, high, value=None):
-        super()._check_range(name, low, high, value=value)
-        if name != "beta_1":
-            return
-        # Keras excludes 0 from beta_1's range, which the inclusive check
-        # above cannot say.
-        if value is None:
-            value = self._hyper_values[name]
-        values = value if isinstance(value, list) else [value]
-        if any(v <= 0 for v in values):
-            raise ValueError(
-                "`beta_1` must be in the (0, 1] range for every model; at 0 "
-                "Lion degenerates to SignSGD. Received: "
-                f"beta_1={value!r}.")
 
     def build(self, variables):
         if self.built:

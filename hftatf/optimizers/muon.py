@@ -9,6 +9,7 @@ from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.adam import adam_step
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.optimizers.hyperparameters import RANGES
 from hftatf.validation import shared
 
 __all__ = ["Muon"]
@@ -61,6 +62,10 @@ class Muon(FusedOptimizer):
         keras.optimizers.Muon.zeropower_via_newtonschulz5)
 
     complemented_hyperparameters = ("adam_beta_1", "adam_beta_2")
+
+    hyperparameter_ranges = {"adam_beta_1": RANGES["beta_1"],
+                             "adam_beta_2": RANGES["beta_2"],
+                             "adam_weight_decay": RANGES["weight_decay"]}
 
     def __init__(self, learning_rate=0.001, adam_beta_1=0.9,
                  adam_beta_2=0.999, adam_weight_decay=0.004, epsilon=1e-7,

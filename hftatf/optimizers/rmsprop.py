@@ -6,7 +6,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
-from hftatf.validation import shared
+from hftatf.validation import Range, shared
 
 __all__ = ["RMSprop"]
 
@@ -37,7 +37,8 @@ class RMSprop(FusedOptimizer):
             Defaults to 0.001.
         rho: discount factor of the gradient history; a float or a length-B
             sequence. Defaults to 0.9.
-        momentum: a float or a length-B sequence. Defaults to 0.
+        momentum: a float <= 1 or a length-B sequence of them (<= 0: no
+            momentum for that model). Defaults to 0.
         epsilon: a float or a length-B sequence. Defaults to 1e-7.
         centered: whether to normalise by the estimated variance of the
             gradient (one bool shared by all models). Defaults to False.
@@ -48,6 +49,10 @@ class RMSprop(FusedOptimizer):
 
     applies_sparse_gradients = True
     complemented_hyperparameters = ("rho",)
+
+    # As in Keras, a momentum <= 0 turns momentum off for that model; one
+    # above 1 makes it grow without bound.
+    hyperparameter_ranges = {"momentum": Range(high=1.0)}
 
     def __init__(self, learning_rate=0.001, rho=0.9, momentum=0.0,
                  epsilon=1e-7, centered=False, **kwargs):

@@ -6,6 +6,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
+from hftatf.validation import Range
 
 __all__ = ["ScheduleFreeAdamW"]
 
@@ -52,6 +53,12 @@ class ScheduleFreeAdamW(FusedOptimizer):
     """
 
     applies_sparse_gradients = True
+
+    # The step divides by beta_1 (the weights from the averaged iterate);
+    # at 1 it steps on the averaged iterate alone.
+    hyperparameter_ranges = {
+        "beta_1": Range(0.0, 1.0, low_open=True,
+                        why=" (the update divides by beta_1)")}
 
     def __init__(self, learning_rate=0.0025, beta_1=0.9, beta_2=0.999,
                  epsilon=1e-8, warmup_steps=0, **kwargs):

@@ -39,7 +39,6 @@ class SGD(FusedOptimizer):
                  **kwargs):
         super().__init__(learning_rate=learning_rate,
                          hyperparameters={"momentum": momentum}, **kwargs)
-        self._check_range("momentum", 0.0, 1.0)
         self.nesterov = bool(shared("nesterov", nesterov))
 
     def build(self, variables):
