@@ -12,34 +12,44 @@
 """
 
 import functools
+import importlib
 import json
 import os
 import pathlib
 import platform
+import re
 import shutil
 import tempfile
+import zipfile
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import hftatf
-from hftatf.callbacks import split_logs
 from hftatf.core import hooks
+from hftatf.core.compat import flatten_layers
+from hftatf.core.logs import split_logs
 from hftatf.fuse import (
-    _input_structure,
+    check_array,
     compile_stock_model,
     compiles_stock_models,
     fuse,
     fuse_models,
 )
-from hftatf.graph import finalize_derived_state, weighted_layers
+from hftatf.graph import (
+    finalize_derived_state,
+    input_structure,
+    weighted_layers,
+)
 from hftatf.layers.per_model import (
     derives_state,
     derives_state_by_ops,
     state_derived_in_calls,
 )
-from hftatf.model import FusedModel
+
+# How to turn plain models into what export takes.
+_FUSE_ADVICE = "Fuse plain models first with hftatf.fuse_models."
 
 # What `export_models` can write for each model.
 FORMATS = ("keras", "saved_model", "checkpoint")
@@ -170,7 +180,7 @@ def export_models(array, directory, history=None, format=FORMATS):
     Returns:
         The list of the B model directories.
     """
-    _check_array(array, "export_models")
+    check_array(array, "hftatf.export_models", _FUSE_ADVICE)
     formats = _check_formats(format)
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -210,15 +220,6 @@ def export_models(array, directory, history=None, format=FORMATS):
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return paths
-
-
-def _check_array(array, function):
-    if not isinstance(array, FusedModel):
-        raise TypeError(
-            f"hftatf.{function} expects a FusedModel (made by hftatf.fuse or "
-            f"hftatf.fuse_models). Received: {array!r} of type "
-            f"{type(array).__name__}. Fuse plain models first with "
-            "hftatf.fuse_models.")
 
 
 def _check_formats(format):
@@ -349,14 +350,53 @@ def _read_index(directory):
     return entries
 
 
-def _register_zoo_objects():
-    """Registers the Keras objects of hftatf's model zoo (PointNet's
-    `OrthogonalityRegularizer`), which its models' files name: importing
-    a zoo module registers them."""
-    # Imported here: the zoo builds on hftatf.
-    from hftatf.models import recipes
+# The package of hftatf's model zoo, whose Keras objects (PointNet's
+# `OrthogonalityRegularizer`) its modules register when imported.
+ZOO_PACKAGE = "hftatf.models"
+_ZOO_MODULE = re.compile(re.escape(ZOO_PACKAGE) + r"(\.[A-Za-z_]\w*)+")
 
-    recipes.names()
+
+def zoo_modules(config):
+    """The modules of hftatf's model zoo that the serialized model `config`
+    names (as the `module` of a registered object): loading the model needs
+    them imported. Only modules under `hftatf.models` are listed, so that
+    loading a file never imports any other module it names."""
+    found = set()
+    pending = [config]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            module = value.get("module")
+            if isinstance(module, str) and _ZOO_MODULE.fullmatch(module):
+                found.add(module)
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return sorted(found)
+
+
+def _import_zoo_modules(config):
+    """Imports the zoo modules `config` names, which registers their Keras
+    objects, so that a zoo model loads without its user importing the
+    zoo."""
+    for module in zoo_modules(config):
+        importlib.import_module(module)
+
+
+def _keras_file_config(path):
+    """The model config stored in the `.keras` file `path` ({} for a
+    legacy `.h5` file or one that is not a zip archive)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return json.loads(archive.read("config.json"))
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError):
+        return {}
+
+
+def _load_keras_file(path, custom_objects, compile):
+    _import_zoo_modules(_keras_file_config(path))
+    return keras.models.load_model(path, custom_objects=custom_objects,
+                                   compile=compile)
 
 
 @hooks.provides("load_exported_model")
@@ -376,11 +416,9 @@ def load_exported_model(path, custom_objects=None, compile=False):
             that holds no model.
     """
     path = pathlib.Path(path)
-    _register_zoo_objects()
     if path.is_file():
         if path.suffix in (".keras", ".h5", ".hdf5"):
-            return keras.models.load_model(
-                path, custom_objects=custom_objects, compile=compile)
+            return _load_keras_file(path, custom_objects, compile)
         raise ValueError(
             f"Cannot load a Keras model from file '{path}': expected a "
             "`.keras` file (or a legacy `.h5` one) or a model directory "
@@ -395,9 +433,8 @@ def load_exported_model(path, custom_objects=None, compile=False):
         candidates.append(path.parent)
     for candidate in candidates:
         if (candidate / KERAS_FILE).is_file():
-            return keras.models.load_model(
-                candidate / KERAS_FILE, custom_objects=custom_objects,
-                compile=compile)
+            return _load_keras_file(candidate / KERAS_FILE, custom_objects,
+                                    compile)
         checkpoint = candidate / CHECKPOINT_PREFIX
         if (candidate / CONFIG_FILE).is_file() and pathlib.Path(
                 f"{checkpoint}.index").is_file():
@@ -422,8 +459,10 @@ def load_exported_model(path, custom_objects=None, compile=False):
 
 
 def _restore_checkpoint(config_path, prefix, custom_objects=None):
+    config = json.loads(config_path.read_text())
+    _import_zoo_modules(config)
     model = keras.saving.deserialize_keras_object(
-        json.loads(config_path.read_text()), custom_objects=custom_objects)
+        config, custom_objects=custom_objects)
     tf.train.Checkpoint(model=model).read(
         str(prefix)).assert_existing_objects_matched()
     finalize_derived_state(model)
@@ -475,7 +514,7 @@ def export_serving(array, directory):
     Returns:
         `directory` as a `pathlib.Path`.
     """
-    _check_array(array, "export_serving")
+    check_array(array, "hftatf.export_serving", _FUSE_ADVICE)
     directory = pathlib.Path(directory)
     _check_replaceable(directory)
     stock = None if array.source_config is None else array.stock_model()
@@ -539,7 +578,7 @@ def _check_replaceable(directory):
 def _input_specs(array, shared):
     """The input signature (as the model's input structure): `[batch, ...]`
     if `shared`, `[batch, B, ...]` if not, the array's own layout if None."""
-    structure = _input_structure(array)
+    structure = input_structure(array)
     flat = keras.tree.flatten(structure)
     specs = []
     for tensor, own in zip(flat, array.shared_inputs):
@@ -595,7 +634,7 @@ def _derives_state_from_values(model):
     stateless call derives it from the values it is given (`_bound_call`).
     Models with other such layers are served from the array's outputs."""
     return all(derives_state_by_ops(layer)
-               for layer in model._flatten_layers() if derives_state(layer))
+               for layer in flatten_layers(model) if derives_state(layer))
 
 
 def _variable_map(array, model, index):
@@ -616,7 +655,7 @@ def _bound_call(model, mapping):
     # now, while eager, and kept as constants.
     fixed = {id(v): keras.ops.convert_to_numpy(v)
              for v in model.variables if id(v) not in mapping}
-    derived = [layer for layer in model._flatten_layers()
+    derived = [layer for layer in flatten_layers(model)
                if derives_state(layer)]
 
     def value(variable):

@@ -28,6 +28,7 @@ from keras_tuner.src.engine import tuner as tuner_module
 from keras_tuner.src.engine import tuner_utils
 
 from hftatf import callbacks as fused_callbacks
+from hftatf.core.logs import split_logs
 from hftatf.layers.base import has_accelerator
 from hftatf.tuning import arrays, sizing
 
@@ -572,8 +573,7 @@ class _TrialRecorder(keras.callbacks.Callback):
                                           logs=logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        per_model, _ = fused_callbacks.split_logs(logs,
-                                                  self.model.num_models)
+        per_model, _ = split_logs(logs, self.model.num_models)
         diverged = self.model.diverged_models
         stacked = None
         for index, member in enumerate(self.members):
