@@ -13,10 +13,9 @@ import numpy as np
 from hftatf.core import hooks
 from hftatf.core.compat import compile_config
 from hftatf.graph import (
-    architecture,
+    architecture_difference,
     check_graph_model,
     config_layers,
-    first_difference,
     input_structure,
     is_graph_model,
     set_layer_weights,
@@ -315,14 +314,13 @@ def fuse_models(models, shared_inputs=True, name=None,
     models = [_as_model(model) for model in models]
     if not models:
         raise ValueError("hftatf.fuse_models needs at least one model.")
-    reference = architecture(models[0])
-    for index, model in enumerate(models[1:], start=1):
-        difference = first_difference(reference, architecture(model))
-        if difference:
-            raise ValueError(
-                f"hftatf.fuse_models needs models of one architecture; "
-                f"model {index} ('{model.name}') differs from model 0 "
-                f"('{models[0].name}'): {difference}.")
+    found = architecture_difference(models)
+    if found:
+        index, difference = found
+        raise ValueError(
+            f"hftatf.fuse_models needs models of one architecture; "
+            f"model {index} ('{models[index].name}') differs from model 0 "
+            f"('{models[0].name}'): {difference}.")
     array = fuse(models[0], len(models), shared_inputs=shared_inputs,
                  name=name, model_class=model_class, layout=layout)
     fused = dict(weighted_layers(array))

@@ -162,6 +162,18 @@ def architecture(model):
     return described
 
 
+def architecture_difference(models):
+    """`(index, difference)` for the first of `models` whose architecture
+    differs from `models[0]`'s, the difference in words
+    (`first_difference`); None where they all have one architecture."""
+    reference = architecture(models[0])
+    for index, model in enumerate(models[1:], start=1):
+        difference = first_difference(reference, architecture(model))
+        if difference:
+            return index, difference
+    return None
+
+
 def first_difference(reference, other):
     """The first way `other` differs from `reference` (as `architecture`
     describes them), in words; None if they are the same. The layers are

@@ -140,16 +140,19 @@ class PerModelMonitorCallback(keras.callbacks.Callback):
 
 
 
-def hyperparameter_values(optimizer, names):
+def hyperparameter_values(optimizer, names, as_float=True):
     """`{name: [B] values}` for the optimizer's hyper-parameters `names`
-    that exist and are set."""
+    that exist and are set: Python floats, or with `as_float=False` numpy
+    scalars of the variables' dtype (whose `str` is the shortest that
+    reads back as the same value: `0.03` for a float32 0.03)."""
     found = {}
     available = getattr(optimizer, "hyperparameter_names", ())
     for name in names:
         if name in available:
             values = optimizer.get_hyperparameter(name)
             if values is not None:
-                found[name] = [float(v) for v in np.asarray(values)]
+                found[name] = [float(v) if as_float else v
+                               for v in np.asarray(values)]
     return found
 
 

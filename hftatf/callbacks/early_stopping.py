@@ -5,6 +5,7 @@ from keras import ops
 
 from hftatf.callbacks.base import PerModelMonitorCallback, per_model_arg
 from hftatf.core.compat import print_msg
+from hftatf.core.logs import set_weights_epoch
 
 
 class EarlyStopping(PerModelMonitorCallback):
@@ -134,18 +135,25 @@ class EarlyStopping(PerModelMonitorCallback):
             self.model.stop_training = True
 
     def on_train_end(self, logs=None):
+        history = getattr(self.model, "history", None)
         for b in range(len(self.best_weights)):
-            # Models restored when they stopped are restored again: a frozen
-            # model's moving statistics (BatchNormalization) are updated by
-            # the forward pass of training steps, which freezing leaves on.
+            # Models restored when they stopped are restored again (and
+            # said so once): a frozen model's moving statistics
+            # (BatchNormalization) are updated by the forward pass of
+            # training steps, which freezing leaves on.
+            announced = self._restored[b]
             self._restored[b] = False
-            self._restore(b)
+            self._restore(b, announce=not announced)
+            if self._restored[b] and history is not None:
+                # What export_models reads: the metrics of this epoch are
+                # those of the weights the model holds.
+                set_weights_epoch(history, b, self.best_epoch[b])
 
-    def _restore(self, b):
+    def _restore(self, b, announce=True):
         if not self.restore_best_weights or self._restored[b] or (
                 self.best_weights[b] is None):
             return
-        if self.verbose > 0:
+        if self.verbose > 0 and announce:
             print_msg(
                 f"Restoring model {b}'s weights from the end of its best "
                 f"epoch: {self.best_epoch[b] + 1}.")

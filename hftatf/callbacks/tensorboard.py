@@ -18,17 +18,59 @@ from hftatf.core.logs import split_logs
 SCALAR_METADATA = scalar_summary_metadata()
 
 
+# Abbreviations in run names, as users write these hyper-parameters.
+_SHORT_NAMES = {"learning_rate": "lr"}
+
+
+def varying_hyperparameters(optimizer):
+    """`{name: [B] values}` of the optimizer's per-model hyper-parameters
+    whose values are not the same for every model."""
+    found = hyperparameter_values(
+        optimizer, getattr(optimizer, "hyperparameter_names", ()),
+        as_float=False)
+    return {name: values for name, values in found.items()
+            if len({str(v) for v in values}) > 1}
+
+
+def describe_models(optimizer, num_models):
+    """A name per model after what varies between the models: their
+    hyper-parameters, written as the user gave them (`lr=0.03`, not the
+    float32 variable's `0.029999999329447746`), joined by commas. Where
+    that does not tell the models apart, each name starts with the
+    model's own (`model_{b}`)."""
+    varying = varying_hyperparameters(optimizer)
+    names = [",".join(f"{_SHORT_NAMES.get(name, name)}="
+                      f"{_as_given(values[b])}"
+                      for name, values in varying.items())
+             for b in range(num_models)]
+    if len(set(names)) == num_models:
+        return names
+    return [f"model_{b}" + (f",{name}" if name else "")
+            for b, name in enumerate(names)]
+
+
+def _as_given(value):
+    """`value` (a numpy scalar) as Python writes the shortest number that
+    reads back as it: `0.0001`, `3e-05`."""
+    return repr(float(str(value)))
+
+
 class TensorBoard(keras.callbacks.Callback):
     """Writes each model's epoch results as a TensorBoard run of its own.
 
-    Model `b`'s scalars go to `log_dir/model_{b}`, so TensorBoard shows the
-    B models as B runs overlaid on every chart. Each per-model quantity of
-    the logs is written under the tag `epoch_{name}` (`epoch_loss`,
-    `epoch_val_loss`, `epoch_accuracy`, ...) at step `epoch`, as stock
-    `keras.callbacks.TensorBoard` tags epoch summaries, and so is each
-    hyper-parameter named in `hyperparameters` (`epoch_learning_rate`).
-    The event files are plain `tf.summary` scalars: the tensorboard package
-    is needed to view them, not to write them.
+    Model `b`'s run is the directory `log_dir/<its run name>`, named by
+    default after what varies between the models (`lr=0.03`, or
+    `lr=0.03,beta_1=0.9`; see `describe_models`), so TensorBoard shows the
+    B models as B runs overlaid on every chart and names them by what was
+    tuned. Inside each run, as stock `keras.callbacks.TensorBoard` writes
+    one model's, training results go to `train/` and validation results to
+    `validation/`, both under the tag `epoch_{name}` at step `epoch`
+    (`val_loss` is written as `epoch_loss` in `validation/`), so the train
+    and validation curves of a model overlay too. Each hyper-parameter
+    named in `hyperparameters` is written with the training results
+    (`epoch_learning_rate`). The event files are plain `tf.summary`
+    scalars: the tensorboard package is needed to view them, not to write
+    them.
 
     Args:
         log_dir: the directory under which the runs are written.
@@ -39,7 +81,8 @@ class TensorBoard(keras.callbacks.Callback):
             values are epoch results.
         run_names: the run of each model, a directory under `log_dir`
             (one name per model; None for a model not to write); defaults
-            to `model_{b}`.
+            to the names `describe_models` gives, decided when training
+            begins.
     """
 
     def __init__(self, log_dir="logs", hyperparameters=("learning_rate",),
@@ -55,13 +98,19 @@ class TensorBoard(keras.callbacks.Callback):
         self.update_freq = update_freq
         self.run_names = (None if run_names is None else [
             None if name is None else os.fspath(name) for name in run_names])
+        self._default_names = None
         self._writers = []
 
     def run_dir(self, index):
         """The run directory of model `index` (None if it writes none)."""
-        if self.run_names is None:
-            return os.path.join(self.log_dir, f"model_{index}")
-        name = self.run_names[index]
+        names = self.run_names
+        if names is None:
+            if self._default_names is None:
+                array = checked_array(self)
+                self._default_names = describe_models(array.optimizer,
+                                                      array.num_models)
+            names = self._default_names
+        name = names[index]
         return None if name is None else os.path.join(self.log_dir, name)
 
     def on_train_begin(self, logs=None):
@@ -73,10 +122,18 @@ class TensorBoard(keras.callbacks.Callback):
                 f"an array of {array.num_models} models; give one per "
                 "model.")
         self._close()
-        self._writers = [
-            None if self.run_dir(b) is None
-            else tf.summary.create_file_writer(self.run_dir(b))
-            for b in range(array.num_models)]
+        self._default_names = None
+        self._writers = [self._run_writers(self.run_dir(b))
+                         for b in range(array.num_models)]
+
+    @staticmethod
+    def _run_writers(run):
+        """`{"train": writer, "validation": writer}` of the run directory
+        `run` (None for none), as stock TensorBoard lays out a run."""
+        if run is None:
+            return None
+        return {kind: tf.summary.create_file_writer(os.path.join(run, kind))
+                for kind in ("train", "validation")}
 
     def on_epoch_end(self, epoch, logs=None):
         if not self._writers:
@@ -85,23 +142,26 @@ class TensorBoard(keras.callbacks.Callback):
         hypers = hyperparameter_values(
             self.model.optimizer,
             [n for n in self.hyperparameters if n not in per_model])
-        for b, writer in enumerate(self._writers):
-            if writer is None:
+        for b, writers in enumerate(self._writers):
+            if writers is None:
                 continue
-            with writer.as_default():
-                for name, values in {**per_model, **hypers}.items():
-                    value = np.asarray(values[b])
-                    if value.ndim == 0 and value.dtype.kind in "fiub":
+            for name, values in {**per_model, **hypers}.items():
+                kind = "validation" if name.startswith("val_") else "train"
+                value = np.asarray(values[b])
+                if value.ndim == 0 and value.dtype.kind in "fiub":
+                    with writers[kind].as_default():
                         tf.summary.write(
-                            f"epoch_{name}", tf.constant(value, "float32"),
-                            step=epoch, metadata=SCALAR_METADATA)
-            writer.flush()
+                            f"epoch_{name.removeprefix('val_')}",
+                            tf.constant(value, "float32"), step=epoch,
+                            metadata=SCALAR_METADATA)
+            for writer in writers.values():
+                writer.flush()
 
     def on_train_end(self, logs=None):
         self._close()
 
     def _close(self):
-        for writer in self._writers:
-            if writer is not None:
+        for writers in self._writers:
+            for writer in (writers or {}).values():
                 writer.close()
         self._writers = []
