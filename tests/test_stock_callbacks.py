@@ -36,25 +36,28 @@ class MyStopping(keras.callbacks.EarlyStopping):
     pass
 
 
+# Each builds its callback writing (where it writes) under a directory.
 MONITORING = [
-    (lambda: keras.callbacks.EarlyStopping("val_accuracy"),
+    (lambda d: keras.callbacks.EarlyStopping("val_accuracy"),
      "hftatf.callbacks.EarlyStopping", "val_accuracy"),
-    (lambda: keras.callbacks.ModelCheckpoint("m.keras", save_best_only=True),
+    (lambda d: keras.callbacks.ModelCheckpoint(d / "m.keras",
+                                               save_best_only=True),
      "hftatf.callbacks.ModelCheckpoint", "val_loss"),
-    (lambda: MyStopping(monitor="loss"), "hftatf.callbacks.EarlyStopping",
+    (lambda d: MyStopping(monitor="loss"), "hftatf.callbacks.EarlyStopping",
      "loss"),
 ]
 
 
 @pytest.mark.parametrize("stock, alternative, monitor", MONITORING)
 def test_stock_callbacks_that_monitor_the_mean_are_refused(
-        stock, alternative, monitor):
+        stock, alternative, monitor, tmp_path):
     with pytest.raises(ValueError, match=alternative) as error:
-        logs.check_stock_callbacks([stock()])
+        logs.check_stock_callbacks([stock(tmp_path)])
     assert f"`{monitor}`, the mean over its models" in str(error.value)
     assert "monitors_array_mean = True" in str(error.value)
     with pytest.raises(ValueError, match=alternative):
-        logs.check_stock_callbacks(keras.callbacks.CallbackList([stock()]))
+        logs.check_stock_callbacks(
+            keras.callbacks.CallbackList([stock(tmp_path)]))
 
 
 def test_stock_reduce_lr_on_plateau_is_refused_for_its_learning_rate():
@@ -62,17 +65,17 @@ def test_stock_reduce_lr_on_plateau_is_refused_for_its_learning_rate():
         logs.check_stock_callbacks([keras.callbacks.ReduceLROnPlateau()])
 
 
-def test_callbacks_that_mean_the_mean_or_each_model_are_accepted():
+def test_callbacks_that_mean_the_mean_or_each_model_are_accepted(tmp_path):
     on_mean = keras.callbacks.EarlyStopping("val_loss")
     on_mean.monitors_array_mean = True
     logs.check_stock_callbacks([
         on_mean,
-        keras.callbacks.CSVLogger("unused.csv"),
+        keras.callbacks.CSVLogger(tmp_path / "unused.csv"),
         # Saves the whole array every epoch: its monitor is not read.
-        keras.callbacks.ModelCheckpoint("array.keras"),
+        keras.callbacks.ModelCheckpoint(tmp_path / "array.keras"),
         keras.callbacks.LambdaCallback(),
         callbacks.EarlyStopping("val_loss"),
-        callbacks.ModelCheckpoint("m_{model}.keras"),
+        callbacks.ModelCheckpoint(tmp_path / "m_{model}.keras"),
         callbacks.ReduceLROnPlateau(),
     ])
 
@@ -94,12 +97,12 @@ def test_a_stock_callback_on_the_mean_trains_as_stock_keras_says():
            "until it calls hftatf.core.logs.check_stock_callbacks")
 @pytest.mark.parametrize("stock, alternative, monitor", MONITORING)
 def test_fit_refuses_stock_callbacks_that_monitor_the_mean(
-        stock, alternative, monitor):
+        stock, alternative, monitor, tmp_path):
     x, y = data()
     array = make_array()
     with pytest.raises(ValueError, match=alternative):
         array.fit(x, y, epochs=1, verbose=0, validation_data=(x, y),
-                  callbacks=[stock()])
+                  callbacks=[stock(tmp_path)])
 
 
 def test_early_stopping_says_each_restore_once(capsys):
