@@ -1,9 +1,11 @@
 """Per-model callbacks for `FusedModel` arrays.
 
 A fused array logs every loss and metric twice: `name`, the mean over the
-models that have not diverged (read by stock Keras callbacks, which keep
-working unchanged), and `name_0` ... `name_{B-1}`, one value per model. The
-callbacks here read the per-model values and act on each model on its own:
+models that have not diverged (what stock Keras callbacks read: `fit`
+refuses those that would act on it through a `monitor`, unless told to act
+on the mean, see `hftatf.core.logs.check_stock_callbacks`), and `name_0`
+... `name_{B-1}`, one value per model. The callbacks here read the
+per-model values and act on each model on its own:
 
 - `EarlyStopping` stops (freezes) each model when its own monitored value
   stops improving, restoring that model's best weights if asked;
@@ -11,7 +13,8 @@ callbacks here read the per-model values and act on each model on its own:
 - `LearningRateScheduler` sets each model's learning rate every epoch from
   its own current rate;
 - `CSVLogger` writes one row per epoch and model (a tidy table);
-- `TensorBoard` writes one run per model, so TensorBoard overlays them;
+- `TensorBoard` writes one run per model, named after what varies between
+  the models (`lr=0.03`), so TensorBoard overlays them;
 - `ModelCheckpoint` saves each model's best weights as a plain Keras model.
 
 Each callback takes the arguments of its stock Keras namesake; `monitor` is

@@ -9,7 +9,8 @@ private names from here, never from `keras.src` or `tensorflow.python`.
 
 # -- conversion and export --
 #
-# hftatf.graph, .fuse, .rewrite, .export, .backup, .callbacks and .tuning.
+# hftatf.graph, .fuse, .rewrite, .export, .serving, .backup, .callbacks,
+# .tuning and the model zoo.
 # Checked on Keras 3.15 and TensorFlow 2.21.
 
 from keras.src.backend.common import global_state  # noqa: E402
