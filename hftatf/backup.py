@@ -21,8 +21,8 @@ import tempfile
 
 import keras
 import numpy as np
-from keras.src.backend.common import global_state
-from keras.src.random import seed_generator
+
+from hftatf.core import compat
 
 METADATA = "backup.json"
 
@@ -105,13 +105,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         global_state_value = metadata.get("global_random_state")
         if global_state_value is not None:
             # Unseeded random ops (e.g. stochastic depth) draw from it.
-            generators.append(seed_generator.global_seed_generator())
+            generators.append(compat.global_seed_generator())
             states = [*states, global_state_value]
         for generator, state in zip(generators, states):
             generator.state.assign(np.asarray(
                 state, dtype=generator.state.dtype))
         self._restore_callbacks(metadata)
-        self.model._initial_epoch = metadata["epoch"]
+        compat.set_initial_epoch(self.model, metadata["epoch"])
         logging.info("Resumed array '%s' from %s at epoch %d.",
                      self.model.name, self.backup_dir, metadata["epoch"])
 
@@ -129,8 +129,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         # restart must be those of an uninterrupted run.
         states = [np.asarray(g.state).tolist()
                   for g in _seed_generators(self.model)]
-        global_generator = global_state.get_global_attribute(
-            seed_generator.GLOBAL_SEED_GENERATOR)
+        global_generator = compat.global_seed_generator(create=False)
         callbacks = self._save_callbacks(epoch)
         metadata.write_text(json.dumps(
             {"epoch": epoch + 1, "weights": name, "sha256": digest,
@@ -245,8 +244,8 @@ def _seed_generators(model):
     """Every seed generator the model's layers draw from, in a fixed
     order."""
     generators = []
-    for layer in model._flatten_layers(include_self=True):
-        for generator in getattr(layer, "_seed_generators", ()):
+    for layer in compat.flatten_layers(model):
+        for generator in compat.seed_generators(layer):
             if all(generator is not g for g in generators):
                 generators.append(generator)
     return generators

@@ -4,42 +4,50 @@
   (a `.keras` file, a TensorFlow SavedModel, a TF checkpoint) with its
   hyper-parameters and metrics; `load_models` and `from_exported` read such
   an export back as B plain models or as the array again.
-* `export_serving` writes the whole array as one SavedModel that serves all
-  B models at once, and each of them alone.
+* `export_serving` (from `hftatf.serving`) writes the whole array as one
+  SavedModel that serves all B models at once, and each of them alone.
 * `load_exported_model` turns a path (a `.keras` file, or a model directory
   written by `export_models`) into a plain Keras model with its weights;
   `hftatf.fuse_models` accepts such paths.
 """
 
 import functools
+import importlib
 import json
 import os
 import pathlib
 import platform
+import re
 import shutil
 import tempfile
+import zipfile
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 import hftatf
-from hftatf.callbacks import split_logs
 from hftatf.core import hooks
+from hftatf.core.logs import split_logs, weights_epoch
 from hftatf.fuse import (
-    _input_structure,
+    check_array,
     compile_stock_model,
     compiles_stock_models,
-    fuse,
     fuse_models,
 )
-from hftatf.graph import finalize_derived_state, weighted_layers
-from hftatf.layers.per_model import (
-    derives_state,
-    derives_state_by_ops,
-    state_derived_in_calls,
-)
-from hftatf.model import FusedModel
+from hftatf.graph import architecture_difference, finalize_derived_state
+from hftatf.serving import export_serving, move_into_place
+
+__all__ = [
+    "export_models",
+    "export_serving",
+    "from_exported",
+    "load_exported_model",
+    "load_models",
+]
+
+# How to turn plain models into what export takes.
+_FUSE_ADVICE = "Fuse plain models first with hftatf.fuse_models."
 
 # What `export_models` can write for each model.
 FORMATS = ("keras", "saved_model", "checkpoint")
@@ -51,13 +59,6 @@ CHECKPOINT_PREFIX = "checkpoint/model"
 CONFIG_FILE = "config.json"
 METADATA_FILE = "metadata.json"
 INDEX_FILE = "index.json"
-# What a TensorFlow SavedModel directory holds: export_serving replaces a
-# directory of these entries only.
-SAVED_MODEL_ENTRIES = frozenset(
-    {"saved_model.pb", "saved_model.pbtxt", "variables", "assets",
-     "assets.extra", "fingerprint.pb", "keras_metadata.pb"})
-
-
 def model_hyperparameters(optimizer, index):
     """Model `index`'s optimizer hyper-parameters as a JSON-ready dict
     (those of the optimizer a `LossScaleOptimizer` wraps, with
@@ -81,23 +82,42 @@ def model_hyperparameters(optimizer, index):
     return values
 
 
-def model_metrics(history, index, num_models):
-    """Model `index`'s final logged values (`loss`, `val_accuracy`, ...):
-    the entries logged for each of the `num_models` models
-    (`callbacks.split_logs`), so that the mean of a metric whose own name
-    ends in `_1` is not read as model 1's."""
+def model_metrics(history, index, num_models, epochs_before_end=0):
+    """Model `index`'s logged values (`loss`, `val_accuracy`, ...) of the
+    epoch `epochs_before_end` epochs before the last one logged (the last
+    by default): the entries logged for each of the `num_models` models
+    (`split_logs`), so that the mean of a metric whose own name ends in
+    `_1` is not read as model 1's."""
     if history is None:
         return {}
     logs = getattr(history, "history", history) or {}
     per_model, _ = split_logs(
         {key: values for key, values in logs.items() if len(values)},
         num_models)
+    position = -1 - epochs_before_end
     # A quantity without a single value (the validation columns of a run
     # that did not validate, as a CSV history holds them) is left out; a
-    # model's final NaN (it diverged) is kept.
-    return {name: float(histories[index][-1])
+    # model's NaN (it diverged) is kept.
+    return {name: float(histories[index][position])
             for name, histories in per_model.items()
-            if not all(np.isnan(float(v)) for h in histories for v in h)}
+            if len(histories[index]) >= -position
+            and not all(np.isnan(float(v)) for h in histories for v in h)}
+
+
+def model_epoch(array, history, index):
+    """`(epoch, epochs_before_end)`: the epoch, counted from 1 as `fit`
+    prints it, whose weights model `index` holds (its best, where
+    `hftatf.callbacks.EarlyStopping` restored it; else the last), and how
+    many epochs before the last one logged it is. The epochs are read from
+    `history` where it is a `keras.callbacks.History`, else from the
+    array's last `fit`; `(None, 0)` where neither tells."""
+    source = history if isinstance(history, keras.callbacks.History) else (
+        getattr(array, "history", None))
+    epoch = (weights_epoch(source, index)
+             if isinstance(source, keras.callbacks.History) else None)
+    if epoch is None:
+        return None, 0
+    return epoch + 1, int(source.epoch[-1]) - epoch
 
 
 def model_diverged(array, index):
@@ -137,9 +157,13 @@ def export_models(array, directory, history=None, format=FORMATS):
         same architecture by `tf.train.Checkpoint(model=m).read(path)`;
       * `config.json`: the stock architecture
         (`keras.saving.deserialize_keras_object` rebuilds it);
-      * `metadata.json`: its index, optimizer hyper-parameters, final
-        metrics (None for a non-finite value), whether it diverged (None
-        if the array does not track it) and the library versions.
+      * `metadata.json`: its index, optimizer hyper-parameters, metrics
+        (None for a non-finite value) and `epoch`, whether it diverged
+        (None if the array does not track it) and the library versions.
+        The metrics are those logged for the weights exported: at the end
+        of `epoch` (counted from 1, as `fit` prints it), the model's last
+        epoch or, where `hftatf.callbacks.EarlyStopping` restored its best
+        weights, its best epoch (None where `history` does not tell).
     `directory/index.json` lists every model's metadata and directory, so
     the best model can be picked without loading them all.
 
@@ -158,9 +182,13 @@ def export_models(array, directory, history=None, format=FORMATS):
 
     Args:
         array: a `FusedModel` made by `hftatf.fuse` or `hftatf.fuse_models`.
-        directory: where to write; created if missing. Model directories
-            of an earlier export there are replaced (`index.json` lists
-            this export's models only).
+        directory: where to write; created if missing (a ValueError if it
+            is a file). Model directories of an earlier export there are
+            replaced, and those of its models that this export does not
+            have are removed, so `index.json` and the `model_{b}`
+            directories list this export's models only; nothing else there
+            is touched (only `model_{b}` directories the earlier
+            `index.json` lists are removed).
         history: a `keras.callbacks.History` (what `fit` returns) or its
             `history` dict; defaults to the array's last `fit`.
         format: what to write for each model: one of `"keras"`,
@@ -170,10 +198,10 @@ def export_models(array, directory, history=None, format=FORMATS):
     Returns:
         The list of the B model directories.
     """
-    _check_array(array, "export_models")
+    check_array(array, "hftatf.export_models", _FUSE_ADVICE)
     formats = _check_formats(format)
-    directory = pathlib.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = _export_directory(directory)
+    earlier = _earlier_model_dirs(directory)
     if history is None:
         history = getattr(array, "history", None)
     optimizer = getattr(array, "optimizer", None)
@@ -187,13 +215,16 @@ def export_models(array, directory, history=None, format=FORMATS):
                 model, path, formats,
                 compile=functools.partial(compile_stock_model, array, b)
                 if compiles else None)
+            epoch, before_end = model_epoch(array, history, b)
             metadata = _finite({
                 "index": b,
                 "num_models": array.num_models,
                 "array": {"name": array.name,
                           "shared_inputs": list(array.shared_inputs)},
                 "hyperparameters": model_hyperparameters(optimizer, b),
-                "metrics": model_metrics(history, b, array.num_models),
+                "metrics": model_metrics(history, b, array.num_models,
+                                         before_end),
+                "epoch": epoch,
                 "diverged": model_diverged(array, b),
                 "files": files,
                 "versions": library_versions(),
@@ -204,21 +235,43 @@ def export_models(array, directory, history=None, format=FORMATS):
         (directory / INDEX_FILE).unlink(missing_ok=True)
         paths = []
         for entry in index:
-            paths.append(_move_into_place(staging / entry["path"],
+            paths.append(move_into_place(staging / entry["path"],
                                           directory / entry["path"], staging))
+        # The earlier export's models that this one does not list would
+        # sit beside its index as if they belonged to it.
+        for name in sorted(earlier - {entry["path"] for entry in index}):
+            (directory / name).rename(staging / f".stale-{name}")
         _write_json(directory / INDEX_FILE, index, staging=staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return paths
 
 
-def _check_array(array, function):
-    if not isinstance(array, FusedModel):
-        raise TypeError(
-            f"hftatf.{function} expects a FusedModel (made by hftatf.fuse or "
-            f"hftatf.fuse_models). Received: {array!r} of type "
-            f"{type(array).__name__}. Fuse plain models first with "
-            "hftatf.fuse_models.")
+def _export_directory(directory):
+    """`directory` as a `pathlib.Path`, created if missing; a ValueError
+    where it (or a parent) is a file."""
+    directory = pathlib.Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(
+            f"hftatf.export_models writes a directory, but '{directory}' "
+            "is a file or lies under one. Pass the path of a new or empty "
+            "directory, or of an earlier export to replace.") from None
+    return directory
+
+
+def _earlier_model_dirs(directory):
+    """The `model_{b}` directories that an earlier export in `directory`
+    lists in its index: the only ones export_models removes (never any
+    other file of its user's); none where there is no readable index."""
+    try:
+        entries = _read_index(directory)
+    except ValueError:
+        return set()
+    return {entry["path"] for entry in entries
+            if re.fullmatch(r"model_(0|[1-9][0-9]*)", entry["path"])
+            and (directory / entry["path"]).is_dir()}
 
 
 def _check_formats(format):
@@ -275,15 +328,6 @@ def _finite(value):
     return value
 
 
-def _move_into_place(source, target, staging):
-    """Renames the complete directory `source` to `target`, replacing an
-    earlier one (moved into `staging`, deleted with it)."""
-    if target.exists():
-        target.rename(staging / f".replaced-{target.name}")
-    source.rename(target)
-    return target
-
-
 # -- reading an export back -------------------------------------------------
 
 
@@ -308,9 +352,21 @@ def load_models(directory, custom_objects=None, compile=False):
         wrote none, from the checkpoint and `config.json`.
     """
     directory = pathlib.Path(directory)
-    return [load_exported_model(directory / entry["path"], custom_objects,
-                                compile=compile)
-            for entry in _read_index(directory)]
+    entries = _read_index(directory)
+    models = [load_exported_model(_entry_path(directory, entry),
+                                  custom_objects, compile=compile)
+              for entry in entries]
+    found = architecture_difference(models)
+    if found:
+        index, difference = found
+        raise ValueError(
+            f"{directory / INDEX_FILE} lists models of different "
+            f"architectures, which no array of export_models holds: model "
+            f"{index} ('{entries[index]['path']}') differs from model 0 "
+            f"('{entries[0]['path']}'): {difference}. Export the array "
+            "again, or load single models with "
+            "hftatf.export.load_exported_model.")
+    return models
 
 
 @hooks.provides("from_exported")
@@ -334,6 +390,8 @@ def from_exported(directory, custom_objects=None, **fuse_kwargs):
 
 
 def _read_index(directory):
+    """The entries of `directory`'s index, in model order; a ValueError
+    naming the file for an index that export_models did not write."""
     path = directory / INDEX_FILE
     if not path.is_file():
         raise ValueError(
@@ -341,7 +399,22 @@ def _read_index(directory):
             "complete export of hftatf.export_models (an export that failed "
             "writes none). Pass the directory given to export_models, or "
             "load single models with hftatf.export.load_exported_model.")
-    entries = sorted(json.loads(path.read_text()), key=lambda e: e["index"])
+    fix = ("Export the array again with hftatf.export_models, or load "
+           "single models with hftatf.export.load_exported_model.")
+    try:
+        entries = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{path} is not valid JSON ({error}), so '{directory}' cannot "
+            f"be read as an export. {fix}") from None
+    if not isinstance(entries, list) or not entries or not all(
+            isinstance(e, dict) and isinstance(e.get("index"), int)
+            and isinstance(e.get("path"), str) for e in entries):
+        raise ValueError(
+            f"{path} must hold a non-empty list of model entries, each with "
+            f"an integer `index` and a `path`, as export_models writes it. "
+            f"{fix}")
+    entries = sorted(entries, key=lambda e: e["index"])
     if [entry["index"] for entry in entries] != list(range(len(entries))):
         raise ValueError(
             f"{path} must list models 0 to B-1. Received indices "
@@ -349,14 +422,68 @@ def _read_index(directory):
     return entries
 
 
-def _register_zoo_objects():
-    """Registers the Keras objects of hftatf's model zoo (PointNet's
-    `OrthogonalityRegularizer`), which its models' files name: importing
-    a zoo module registers them."""
-    # Imported here: the zoo builds on hftatf.
-    from hftatf.models import recipes
+def _entry_path(directory, entry):
+    """The model directory an index entry names, which must lie inside the
+    export `directory`: an index never sends a load elsewhere."""
+    path = (directory / entry["path"]).resolve()
+    if not path.is_relative_to(directory.resolve()) or (
+            path == directory.resolve()):
+        raise ValueError(
+            f"{directory / INDEX_FILE} lists model {entry['index']} at "
+            f"{entry['path']!r}, which leads outside the export directory "
+            f"'{directory}'; export_models writes each model into a "
+            "directory inside it (`model_{b}`). Export the array again, or "
+            "load a model elsewhere with hftatf.export.load_exported_model.")
+    return path
 
-    recipes.names()
+
+# The package of hftatf's model zoo, whose Keras objects (PointNet's
+# `OrthogonalityRegularizer`) its modules register when imported.
+ZOO_PACKAGE = "hftatf.models"
+_ZOO_MODULE = re.compile(re.escape(ZOO_PACKAGE) + r"(\.[A-Za-z_]\w*)+")
+
+
+def zoo_modules(config):
+    """The modules of hftatf's model zoo that the serialized model `config`
+    names (as the `module` of a registered object): loading the model needs
+    them imported. Only modules under `hftatf.models` are listed, so that
+    loading a file never imports any other module it names."""
+    found = set()
+    pending = [config]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, dict):
+            module = value.get("module")
+            if isinstance(module, str) and _ZOO_MODULE.fullmatch(module):
+                found.add(module)
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return sorted(found)
+
+
+def _import_zoo_modules(config):
+    """Imports the zoo modules `config` names, which registers their Keras
+    objects, so that a zoo model loads without its user importing the
+    zoo."""
+    for module in zoo_modules(config):
+        importlib.import_module(module)
+
+
+def _keras_file_config(path):
+    """The model config stored in the `.keras` file `path` ({} for a
+    legacy `.h5` file or one that is not a zip archive)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return json.loads(archive.read("config.json"))
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError):
+        return {}
+
+
+def _load_keras_file(path, custom_objects, compile):
+    _import_zoo_modules(_keras_file_config(path))
+    return keras.models.load_model(path, custom_objects=custom_objects,
+                                   compile=compile)
 
 
 @hooks.provides("load_exported_model")
@@ -376,11 +503,9 @@ def load_exported_model(path, custom_objects=None, compile=False):
             that holds no model.
     """
     path = pathlib.Path(path)
-    _register_zoo_objects()
     if path.is_file():
         if path.suffix in (".keras", ".h5", ".hdf5"):
-            return keras.models.load_model(
-                path, custom_objects=custom_objects, compile=compile)
+            return _load_keras_file(path, custom_objects, compile)
         raise ValueError(
             f"Cannot load a Keras model from file '{path}': expected a "
             "`.keras` file (or a legacy `.h5` one) or a model directory "
@@ -395,9 +520,8 @@ def load_exported_model(path, custom_objects=None, compile=False):
         candidates.append(path.parent)
     for candidate in candidates:
         if (candidate / KERAS_FILE).is_file():
-            return keras.models.load_model(
-                candidate / KERAS_FILE, custom_objects=custom_objects,
-                compile=compile)
+            return _load_keras_file(candidate / KERAS_FILE, custom_objects,
+                                    compile)
         checkpoint = candidate / CHECKPOINT_PREFIX
         if (candidate / CONFIG_FILE).is_file() and pathlib.Path(
                 f"{checkpoint}.index").is_file():
@@ -422,221 +546,11 @@ def load_exported_model(path, custom_objects=None, compile=False):
 
 
 def _restore_checkpoint(config_path, prefix, custom_objects=None):
+    config = json.loads(config_path.read_text())
+    _import_zoo_modules(config)
     model = keras.saving.deserialize_keras_object(
-        json.loads(config_path.read_text()), custom_objects=custom_objects)
+        config, custom_objects=custom_objects)
     tf.train.Checkpoint(model=model).read(
         str(prefix)).assert_existing_objects_matched()
     finalize_derived_state(model)
     return model
-
-
-# -- one SavedModel for the whole array -------------------------------------
-
-
-def export_serving(array, directory):
-    """Writes `array` as one TensorFlow SavedModel that serves its B models.
-
-    The SavedModel loads with `tf.saved_model.load` (no hftatf or Keras
-    needed) and follows TensorFlow Serving's conventions. It holds the
-    array's `[B, ...]` variables once, and these signatures (each also a
-    callable attribute of the loaded object):
-      * `shared`: the stock model's inputs, `[batch, ...]`, shared by all
-        models -> outputs `[batch, B, ...]`;
-      * `per_model`: one batch per model, `[batch, B, ...]` ->
-        `[batch, B, ...]`;
-      * `model_{b}` for each `b`: the stock model's inputs `[batch, ...]`
-        -> model `b`'s outputs `[batch, ...]`, computed by a plain graph of
-        the stock architecture on model `b`'s slice of the variables (the
-        other models are not computed);
-      * `serving_default`: the array's own input layout (`shared` or
-        `per_model`; for an array that shares some inputs and not others,
-        also the endpoint `serve`).
-    Signature inputs are named after the stock model's inputs; outputs are
-    named as in Keras' `model.export` (`output_0`, ...).
-
-    For an array not made by `hftatf.fuse` (built from `hftatf.layers`
-    directly) there is no stock architecture: `model_{b}` then runs the
-    fused graph on the shared input and slices model `b`'s outputs, and
-    `per_model` is left out when the array shares its inputs. So it does
-    for a stock model with a layer that derives state from its weights
-    other than an adapted `Normalization` (which `model_{b}` derives from
-    model `b`'s slice).
-
-    Like `export_models`, it writes into a temporary directory renamed
-    into place when complete, replacing an earlier SavedModel there. It
-    never replaces anything else: a `directory` that is a file, or that
-    holds entries a SavedModel does not have, is refused before anything
-    is written.
-
-    Args:
-        array: a `FusedModel`.
-        directory: where to write the SavedModel.
-
-    Returns:
-        `directory` as a `pathlib.Path`.
-    """
-    _check_array(array, "export_serving")
-    directory = pathlib.Path(directory)
-    _check_replaceable(directory)
-    stock = None if array.source_config is None else array.stock_model()
-    num_models = array.num_models
-    archive = keras.export.ExportArchive()
-    archive.track(array)
-    endpoints = {}
-    layout = set(array.shared_inputs)
-    if len(layout) > 1:
-        endpoints["serve"] = (
-            lambda inputs: array(inputs, training=False),
-            _input_specs(array, shared=None))
-    for shared, name in ((True, "shared"), (False, "per_model")):
-        call = _layout_call(array, stock, shared)
-        if call is not None:
-            endpoints[name] = (call, _input_specs(array, shared))
-    if layout == {False}:
-        # The array's own layout is the default endpoint.
-        endpoints = {"per_model": endpoints.pop("per_model"), **endpoints}
-    for b in range(num_models):
-        endpoints[f"model_{b}"] = (
-            _model_call(array, stock, b),
-            _input_specs(array, shared=True))
-    for name, (call, specs) in endpoints.items():
-        archive.add_endpoint(name, call, input_signature=[specs])
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    # Written aside and renamed, as the models of export_models are.
-    staging = pathlib.Path(tempfile.mkdtemp(
-        prefix=f".{directory.name}-", dir=directory.parent))
-    try:
-        archive.write_out(str(staging / directory.name), verbose=False)
-        _move_into_place(staging / directory.name, directory, staging)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return directory
-
-
-def _check_replaceable(directory):
-    """Refuses a `directory` that holds anything but an earlier SavedModel:
-    export_serving replaces what is there, and must never replace a user's
-    own files."""
-    if not directory.exists():
-        return
-    if not directory.is_dir():
-        raise ValueError(
-            f"hftatf.export_serving writes a SavedModel directory, but "
-            f"{str(directory)!r} is a file. Pass the path of a new or empty "
-            "directory, or of an earlier SavedModel to replace.")
-    foreign = sorted(entry.name for entry in directory.iterdir()
-                     if entry.name not in SAVED_MODEL_ENTRIES)
-    if foreign:
-        raise ValueError(
-            f"hftatf.export_serving replaces the directory it writes, and "
-            f"{str(directory)!r} holds files that are not part of a "
-            f"SavedModel: {foreign}. Expected a new or empty directory, or "
-            "an earlier SavedModel (only "
-            f"{sorted(SAVED_MODEL_ENTRIES)}). Pass another path, or move "
-            "those files away first.")
-
-
-def _input_specs(array, shared):
-    """The input signature (as the model's input structure): `[batch, ...]`
-    if `shared`, `[batch, B, ...]` if not, the array's own layout if None."""
-    structure = _input_structure(array)
-    flat = keras.tree.flatten(structure)
-    specs = []
-    for tensor, own in zip(flat, array.shared_inputs):
-        shape = list(tensor.shape)
-        if shared is not None and shared != own:
-            if shared:
-                del shape[1]
-            else:
-                shape.insert(1, array.num_models)
-        shape[0] = None
-        specs.append(tf.TensorSpec(shape, tensor.dtype, name=tensor.name))
-    return keras.tree.pack_sequence_as(structure, specs)
-
-
-def _layout_call(array, stock, shared):
-    """A function computing the array on inputs that are all shared
-    (`shared=True`) or all per model; None where that cannot be done."""
-    if all(own == shared for own in array.shared_inputs):
-        return lambda inputs: array(inputs, training=False)
-    if stock is not None:
-        # The same stock graph fused for this layout, run on the array's
-        # variables: shared preprocessing still runs once.
-        twin = fuse(stock, array.num_models, shared_inputs=shared)
-        return _bound_call(twin, _variable_map(array, twin, index=None))
-    if not shared:
-        return None
-    num_models = array.num_models
-
-    def broadcast(inputs):
-        flat = [x if own else keras.ops.repeat(
-            keras.ops.expand_dims(x, 1), num_models, axis=1)
-            for x, own in zip(keras.tree.flatten(inputs),
-                              array.shared_inputs)]
-        return array(keras.tree.pack_sequence_as(inputs, flat),
-                     training=False)
-
-    return broadcast
-
-
-def _model_call(array, stock, index):
-    """A function computing model `index` alone on shared inputs."""
-    if stock is not None and _derives_state_from_values(stock):
-        # One stock model serves every index.
-        return _bound_call(stock, _variable_map(array, stock, index))
-    shared_call = _layout_call(array, None, shared=True)
-    return lambda inputs: keras.tree.map_structure(
-        lambda y: y[:, index], shared_call(inputs))
-
-
-def _derives_state_from_values(model):
-    """Whether every layer of `model` that computes with state derived from
-    its weights derives it by ops (`derives_state_by_ops`), so that a
-    stateless call derives it from the values it is given (`_bound_call`).
-    Models with other such layers are served from the array's outputs."""
-    return all(derives_state_by_ops(layer)
-               for layer in model._flatten_layers() if derives_state(layer))
-
-
-def _variable_map(array, model, index):
-    """`id(variable of model)` -> the array variable holding its value
-    (slice `index` of it, or all of it for `index=None`)."""
-    arrays = dict(weighted_layers(array))
-    mapping = {}
-    for path, layer in weighted_layers(model):
-        for ours, theirs in zip(layer.weights, arrays[path].weights):
-            mapping[id(ours)] = (theirs, index)
-    return mapping
-
-
-def _bound_call(model, mapping):
-    """Runs `model` with the variable values given by `mapping`, reading
-    the array's variables (so the SavedModel holds them once)."""
-    # State without weights (seed generators) is fixed at inference: read
-    # now, while eager, and kept as constants.
-    fixed = {id(v): keras.ops.convert_to_numpy(v)
-             for v in model.variables if id(v) not in mapping}
-    derived = [layer for layer in model._flatten_layers()
-               if derives_state(layer)]
-
-    def value(variable):
-        if id(variable) in fixed:
-            return tf.constant(fixed[id(variable)])
-        source, index = mapping[id(variable)]
-        return source.value if index is None else source.value[index]
-
-    def call(inputs):
-        with state_derived_in_calls(derived):
-            for layer in derived:
-                # The state derived from the values given, not from the
-                # model's own weights (`_derives_state_from_values`).
-                with keras.StatelessScope(state_mapping=[
-                        (w, value(w)) for w in layer.weights]):
-                    layer.finalize_state()
-            outputs, _ = model.stateless_call(
-                [value(v) for v in model.trainable_variables],
-                [value(v) for v in model.non_trainable_variables],
-                inputs, training=False)
-        return outputs
-
-    return call

@@ -30,13 +30,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
-from keras.src.losses.loss import (
-    scale_loss_for_distribution,
-    unscale_loss_for_distribution,
-)
 
 from hftatf import optimizers as fused_optimizers
 from hftatf.api import hftatf_export
+from hftatf.core.compat import (
+    scale_loss_for_distribution,
+    unscale_loss_for_distribution,
+)
 from hftatf.layers.base import stack_models
 from hftatf.model import FusedModel, PerModelMean
 from hftatf.models import data, recipes

@@ -6,6 +6,9 @@ looks recipes up here; each zoo module registers its own.
 """
 
 import dataclasses
+import importlib
+import pathlib
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
@@ -76,12 +79,7 @@ def names():
 
 
 def _load_zoo():
-    # Importing a zoo module registers its recipes.
-    import importlib
-    import pkgutil
-
-    import hftatf.models as package
-
-    for module in pkgutil.iter_modules(package.__path__):
+    # Importing a zoo module registers its recipes (and its Keras objects).
+    for module in pkgutil.iter_modules([str(pathlib.Path(__file__).parent)]):
         if module.name not in ("recipes", "data"):
-            importlib.import_module(f"hftatf.models.{module.name}")
+            importlib.import_module(f"{__package__}.{module.name}")

@@ -572,7 +572,9 @@ def test_loggers_record_learning_rates_reduced_during_fit(tmp_path):
         logged = [np.float32(float(r["learning_rate"])) for r in rows
                   if int(r["model"]) == b]
         assert logged == expected
-        scalars = read_events(tmp_path / "tb" / f"model_{b}")
+        # Named after the rates given, as training began.
+        scalars = read_events(
+            tmp_path / "tb" / f"lr={LEARNING_RATES[b]}" / "train")
         assert [np.float32(scalars["epoch_learning_rate"][e])
                 for e in range(3)] == expected
 
@@ -595,20 +597,47 @@ def test_tensorboard_writes_one_run_per_model(tmp_path):
     history = array.fit(x, y, epochs=2, batch_size=8, verbose=0,
                         validation_data=(x, y),
                         callbacks=[callbacks.TensorBoard(tmp_path)])
-    assert sorted(os.listdir(tmp_path)) == [f"model_{b}" for b in range(B)]
-    for b in range(B):
-        scalars = read_events(tmp_path / f"model_{b}")
-        assert sorted(scalars) == ["epoch_learning_rate", "epoch_loss",
-                                   "epoch_mae", "epoch_val_loss",
-                                   "epoch_val_mae"]
-        for name in ["loss", "mae", "val_loss", "val_mae"]:
-            logged = history.history[f"{name}_{b}"]
-            assert scalars[f"epoch_{name}"] == {
-                e: float(np.float32(v)) for e, v in enumerate(logged)}
-        assert scalars["epoch_learning_rate"] == {
+    # Each run is named after what varies between the models, written as
+    # it was given; inside it, train/ and validation/ as stock Keras lays
+    # out one model's run.
+    runs = [f"lr={rate}" for rate in LEARNING_RATES]
+    assert sorted(os.listdir(tmp_path)) == sorted(runs)
+    for b, run in enumerate(runs):
+        assert sorted(os.listdir(tmp_path / run)) == ["train", "validation"]
+        train = read_events(tmp_path / run / "train")
+        validation = read_events(tmp_path / run / "validation")
+        assert sorted(train) == ["epoch_learning_rate", "epoch_loss",
+                                 "epoch_mae"]
+        assert sorted(validation) == ["epoch_loss", "epoch_mae"]
+        for name in ["loss", "mae"]:
+            for scalars, key in [(train, name), (validation, f"val_{name}")]:
+                logged = history.history[f"{key}_{b}"]
+                assert scalars[f"epoch_{name}"] == {
+                    e: float(np.float32(v)) for e, v in enumerate(logged)}
+        assert train["epoch_learning_rate"] == {
             e: float(np.float32(LEARNING_RATES[b])) for e in range(2)}
     with pytest.raises(ValueError, match="update_freq='epoch'"):
         callbacks.TensorBoard(tmp_path, update_freq="batch")
+
+
+def test_tensorboard_run_names_tell_the_models_apart(tmp_path):
+    optimizer = hftatf.optimizers.Adam([0.03, 0.03, 1e-4],
+                                       beta_1=[0.9, 0.95, 0.9])
+    assert callbacks.tensorboard.describe_models(optimizer, 3) == [
+        "lr=0.03,beta_1=0.9", "lr=0.03,beta_1=0.95", "lr=0.0001,beta_1=0.9"]
+    # Models that differ in nothing the optimizer holds (seeds) keep their
+    # index; models alike in what varies get it first.
+    assert callbacks.tensorboard.describe_models(
+        hftatf.optimizers.SGD(0.1), 2) == ["model_0", "model_1"]
+    assert callbacks.tensorboard.describe_models(
+        hftatf.optimizers.SGD([0.1, 0.1, 0.2]), 3) == [
+        "model_0,lr=0.1", "model_1,lr=0.1", "model_2,lr=0.2"]
+    x, y = data()
+    array = make_array([0.1, 0.1, 0.2])
+    array.fit(x, y, epochs=1, batch_size=8, verbose=0,
+              callbacks=[callbacks.TensorBoard(tmp_path,
+                                               run_names=["a", None, "c"])])
+    assert sorted(os.listdir(tmp_path)) == ["a", "c"]
 
 
 # -- ModelCheckpoint --------------------------------------------------------

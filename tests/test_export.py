@@ -12,6 +12,7 @@ import tensorflow as tf
 from testing import assert_close
 
 import hftatf
+from hftatf.graph import architecture, first_difference
 
 NUM_MODELS = 2
 RATES = [0.1, 0.2]
@@ -521,15 +522,13 @@ def test_fuse_models_names_the_first_difference(reference, other, message):
 
 
 def test_weight_shape_difference_is_named():
-    from hftatf.fuse import _architecture, _first_difference
-
-    reference = _architecture(functional(L.Dense(4)))
+    reference = architecture(functional(L.Dense(4)))
     other = [dict(layer) for layer in reference]
     other[1]["weights"] = [(6, 4), (4,)]
-    assert _first_difference(reference, other) == (
+    assert first_difference(reference, other) == (
         "layer 1 (Dense) differs in weight shapes: [(6, 4), (4,)] instead "
         "of [(5, 4), (4,)]")
-    assert _first_difference(reference, reference) is None
+    assert first_difference(reference, reference) is None
 
 
 def test_bare_saved_model_is_refused(tmp_path):

@@ -18,8 +18,13 @@ import numpy as np
 
 import hftatf
 from hftatf import optimizers as fused_optimizers
-from hftatf.fuse import _architecture
-from hftatf.graph import set_layer_weights, weighted_layers
+from hftatf.core import compat
+from hftatf.core.compat import exclude_from_weight_decay_like
+from hftatf.graph import (
+    architecture,
+    set_layer_weights,
+    weighted_layers,
+)
 from hftatf.model import custom_objects
 
 # Compile arguments that the array decides for itself: the optimizer is
@@ -96,11 +101,7 @@ def combine_optimizers(optimizers):
             v == values[0] for v in values) else values
     config["num_models"] = len(optimizers)
     combined = type(first).from_config(config)
-    pattern = getattr(first, "_exclude_from_weight_decay_pattern", None)
-    if pattern is not None:
-        combined._exclude_from_weight_decay = set()
-        combined._exclude_from_weight_decay_pattern = pattern
-        combined._exclude_from_weight_decay_cache = {}
+    exclude_from_weight_decay_like(combined, first)
     return combined
 
 
@@ -109,7 +110,7 @@ def group_key(model, optimizer, extra=None):
     one array: same architecture, compile arguments and optimizer
     structure, and the same `extra` (e.g. `fit` arguments)."""
     description = {
-        "architecture": _architecture(model),
+        "architecture": architecture(model),
         "compile": compile_config(model),
         "optimizer": optimizer_structure(optimizer),
         "extra": extra,
@@ -123,7 +124,7 @@ def compile_arguments(model):
     own that are not registered with Keras are found among the objects
     `model` was compiled with, as stock compile takes them."""
     with keras.saving.custom_object_scope(custom_objects(
-            model._compile_config.config)):
+            compat.compile_config(model))):
         return keras.saving.deserialize_keras_object(compile_config(model))
 
 

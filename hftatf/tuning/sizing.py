@@ -28,7 +28,8 @@ import numpy as np
 import tensorflow as tf
 
 import hftatf
-from hftatf.fuse import _architecture
+from hftatf.core.compat import get_data_adapter
+from hftatf.graph import architecture
 from hftatf.tuning import arrays
 
 __all__ = ["auto_num_models", "cache_path", "device_name", "probe",
@@ -64,8 +65,6 @@ def device_name():
 def probe_batch(x, y=None, batch_size=None):
     """The first `(x, y)` batch of training data given as `fit` takes it
     (arrays, dicts, a `tf.data.Dataset`, a `keras.utils.PyDataset`)."""
-    from keras.src.trainers.data_adapters import get_data_adapter
-
     adapter = get_data_adapter(x, y, batch_size=batch_size or 32,
                                shuffle=False)
     batch = next(iter(adapter.get_numpy_iterator()))
@@ -226,7 +225,7 @@ def _cache_key(model, x, optimizer, loss, metrics, *settings):
         arrays.optimizer_structure(
             hftatf.optimizers.get(_fresh_optimizer(optimizer))))
     description = {
-        "architecture": _architecture(model),
+        "architecture": architecture(model),
         "inputs": [(tuple(np.shape(t)), str(np.asarray(t).dtype))
                    for t in keras.tree.flatten(x)],
         "optimizer": optimizer_description,

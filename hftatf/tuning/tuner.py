@@ -27,9 +27,9 @@ from keras_tuner.src.engine import trial as trial_module
 from keras_tuner.src.engine import tuner as tuner_module
 from keras_tuner.src.engine import tuner_utils
 
-from hftatf import callbacks as fused_callbacks
 from hftatf.layers.base import has_accelerator
 from hftatf.tuning import arrays, sizing
+from hftatf.tuning.trial_callbacks import TrialRecorder, for_array
 
 __all__ = ["FusedBayesianOptimization", "FusedHyperband", "FusedRandomSearch",
            "FusedTuner"]
@@ -461,9 +461,9 @@ class FusedTuner(keras_tuner.Tuner):
         runs = [os.path.join(str(m.trial.trial_id), f"execution{m.execution}")
                 for m in group]
         runs += [None] * (array.num_models - len(group))  # padding copies
-        callbacks = [_for_array(c, runs) for c in self._deepcopy_callbacks(
+        callbacks = [for_array(c, runs) for c in self._deepcopy_callbacks(
             kwargs.pop("callbacks", None) or [])]
-        recorder = _TrialRecorder(self, group)
+        recorder = TrialRecorder(self, group)
         array.fit(*fit_args, callbacks=[*callbacks, recorder], **kwargs)
         if _continuable(group):
             self._keep(array, group)
@@ -544,107 +544,6 @@ def _check_objective(objective, histories):
 def _continuable(group):
     """Whether later trials may continue the group's (Hyperband's)."""
     return any(_EPOCHS in m.trial.hyperparameters.values for m in group)
-
-
-class _TrialRecorder(keras.callbacks.Callback):
-    """Splits an array's logs into each trial's history, and saves each
-    trial's weights at its best epoch (keras-tuner's `SaveBestEpoch`, per
-    model)."""
-
-    def __init__(self, tuner, members):
-        super().__init__()
-        self.tuner = tuner
-        self.members = members
-        self.objective = tuner.oracle.objective
-        self.logs = [[] for _ in members]
-        worst = float("-inf") if self.objective.direction == "max" else (
-            float("inf"))
-        self.best = {m.trial.trial_id: worst for m in members}
-        self._training = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        # Models stopped by a callback leave the history, as a stock trial
-        # ends when its fit stops.
-        self._training = self.model.active_models.copy()
-        for index, member in enumerate(self.members):
-            if self._training[index]:
-                self.tuner.on_epoch_begin(member.trial, self.model, epoch,
-                                          logs=logs)
-
-    def on_epoch_end(self, epoch, logs=None):
-        per_model, _ = fused_callbacks.split_logs(logs,
-                                                  self.model.num_models)
-        diverged = self.model.diverged_models
-        stacked = None
-        for index, member in enumerate(self.members):
-            if not self._training[index]:
-                continue
-            # A diverged model is frozen at its last finite weights, which
-            # its metrics would score: the trial records what diverged
-            # training is worth instead, NaN (its stock twin's weights are
-            # NaN; keras-tuner fails a trial whose score is NaN).
-            model_logs = {name: float("nan") if diverged[index]
-                          else float(values[index])
-                          for name, values in per_model.items()}
-            self.logs[index].append(model_logs)
-            if self._improved(member, model_logs):
-                if stacked is None:
-                    stacked = arrays.stacked_weights(self.model)
-                self.tuner._save_trial_model(member, stacked, index)
-            self.tuner.on_epoch_end(member.trial, self.model, epoch,
-                                    logs=model_logs)
-
-    def _improved(self, member, logs):
-        if not self.objective.has_value(logs):
-            # The objective comes after fit: save every epoch, as stock.
-            return True
-        value = self.objective.get_value(logs)
-        trial_id = member.trial.trial_id
-        if self.objective.better_than(value, self.best[trial_id]):
-            self.best[trial_id] = value
-            return True
-        return False
-
-    def histories(self):
-        """One `keras.callbacks.History` per model, as its stock fit would
-        have returned."""
-        histories = []
-        for epochs in self.logs:
-            history = keras.callbacks.History()
-            history.history = collections.defaultdict(list)
-            for logs in epochs:
-                for name, value in logs.items():
-                    history.history[name].append(value)
-            history.history = dict(history.history)
-            history.epoch = list(range(len(epochs)))
-            histories.append(history)
-        return histories
-
-
-def _for_array(callback, runs):
-    """`callback`, or its per-model form where a stock callback would judge
-    the array's mean instead of each model (or read one learning rate).
-    `runs` names each model's TensorBoard run as keras-tuner names a
-    trial's."""
-    if type(callback) is keras.callbacks.TensorBoard:
-        return fused_callbacks.TensorBoard(callback.log_dir, run_names=runs)
-    if type(callback) is keras.callbacks.EarlyStopping:
-        return fused_callbacks.EarlyStopping(
-            monitor=callback.monitor, min_delta=callback.min_delta,
-            patience=callback.patience, verbose=callback.verbose,
-            mode=callback.mode, baseline=callback.baseline,
-            restore_best_weights=callback.restore_best_weights,
-            start_from_epoch=callback.start_from_epoch)
-    if type(callback) is keras.callbacks.ReduceLROnPlateau:
-        return fused_callbacks.ReduceLROnPlateau(
-            monitor=callback.monitor, factor=callback.factor,
-            patience=callback.patience, verbose=callback.verbose,
-            mode=callback.mode, min_delta=callback.min_delta,
-            cooldown=callback.cooldown, min_lr=callback.min_lr)
-    if type(callback) is keras.callbacks.LearningRateScheduler:
-        return fused_callbacks.LearningRateScheduler(
-            callback.schedule, verbose=callback.verbose)
-    return callback
 
 
 class FusedRandomSearch(keras_tuner.RandomSearch, FusedTuner):

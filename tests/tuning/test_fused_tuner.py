@@ -449,13 +449,17 @@ def test_stock_tensorboard_writes_a_run_per_trial(tmp_path):
                      str(tmp_path / "logs"))])
     for trial in trials(tuner):
         assert trial.status == "COMPLETED"
+        # Inside it, train/ and validation/, as stock Keras writes a run.
         run = tmp_path / "logs" / trial.trial_id / "execution0"
-        events = list(run.glob("events.out.tfevents.*"))
-        assert events, run
-        tags = {value.tag for event in tf.compat.v1.train.summary_iterator(
+        tags = {}
+        for kind in ("train", "validation"):
+            events = list((run / kind).glob("events.out.tfevents.*"))
+            assert events, run / kind
+            tags[kind] = {
+                value.tag for event in tf.compat.v1.train.summary_iterator(
                     str(events[0])) for value in event.summary.value}
-        assert {"epoch_loss", "epoch_val_loss",
-                "epoch_learning_rate"} <= tags
+        assert {"epoch_loss", "epoch_learning_rate"} <= tags["train"]
+        assert {"epoch_loss"} <= tags["validation"]
 
 
 def test_stock_learning_rate_callbacks_act_on_each_trial(tmp_path):
