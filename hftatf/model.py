@@ -23,7 +23,7 @@ from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
 from keras.src.trainers.trainer import model_supports_jit
 from keras.src.utils import tracking
 
-from hftatf import backup, passes, seeds, sparse
+from hftatf import backup, passes, progress, seeds, sparse
 from hftatf import optimizers as fused_optimizers
 from hftatf.api import hftatf_export
 from hftatf.core import hooks
@@ -1549,7 +1549,8 @@ class FusedModel(keras.Model):
                 "`class_weight` and `sample_weight` cannot both be given, as "
                 "in Keras: fold the class weights into the sample weights.")
         self._use_class_weight(class_weight)
-        callbacks = kwargs.pop("callbacks", None)
+        callbacks = progress.with_progress_bar(
+            kwargs.pop("callbacks", None), kwargs.get("verbose", "auto"))
         _check_callbacks(callbacks)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.append(_DivergenceReport())
@@ -1558,6 +1559,13 @@ class FusedModel(keras.Model):
             callbacks = _backups_last([*(callbacks or []),
                                        _DivergenceReport()])
         return super().fit(*args, callbacks=callbacks, **kwargs)
+
+    def evaluate(self, *args, callbacks=None, **kwargs):
+        """As `keras.Model.evaluate`, with the array's progress bar
+        (`hftatf.progress`)."""
+        callbacks = progress.with_progress_bar(
+            callbacks, kwargs.get("verbose", "auto"))
+        return super().evaluate(*args, callbacks=callbacks, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None,
                        class_weight=None, return_dict=False):
