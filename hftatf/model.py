@@ -23,8 +23,9 @@ from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
 from keras.src.trainers.trainer import model_supports_jit
 from keras.src.utils import tracking
 
-from hftatf import backup, passes, progress, seeds, sparse
+from hftatf import backup, passes, progress, report, seeds, sparse
 from hftatf import optimizers as fused_optimizers
+from hftatf import summary as array_summary
 from hftatf.api import hftatf_export
 from hftatf.core import hooks
 from hftatf.graph import config_layers, graph_layers, is_graph_model
@@ -1798,6 +1799,23 @@ class FusedModel(keras.Model):
                 _copy_model_slices(self.optimizer.variables,
                                    optimizer.variables, indices, B)
         return array
+
+    def summary(self, *args, fused=False, **kwargs):
+        """Prints the layers of the model this array was fused from, with
+        one model's shapes and parameter count, and the number of models
+        (`hftatf.summary`); `fused=True`: the array's own fused layers,
+        `[B, ...]` weights and `[batch, B, ...]` shapes, as
+        `keras.Model.summary` prints them. Other arguments are those of
+        `keras.Model.summary`."""
+        if fused:
+            return super().summary(*args, **kwargs)
+        return array_summary.print_summary(self, *args, **kwargs)
+
+    def rank_models(self, monitor="val_loss", mode="auto", history=None):
+        """The models best first by `monitor` in the last `fit`'s history
+        (or `history`): `[(model index, value), ...]`, as the launcher's
+        table ranks them; see `hftatf.report.rank_models`."""
+        return report.rank_models(self, monitor, mode, history)
 
     def get_model_weights(self, index):
         """Model `index`'s slice of every weight, in `self.weights` order."""

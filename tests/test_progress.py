@@ -51,7 +51,8 @@ class Recorder(keras.callbacks.Callback):
         self.epochs.append(dict(logs))
 
 
-@pytest.mark.parametrize("num_models", [1, 8, 100])
+@pytest.mark.parametrize("num_models", [
+    1, 8, pytest.param(100, marks=pytest.mark.slow)])
 def test_every_line_fits_the_terminal(num_models, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
     x, y = data()
