@@ -1811,6 +1811,13 @@ class FusedModel(keras.Model):
             return super().summary(*args, **kwargs)
         return array_summary.print_summary(self, *args, **kwargs)
 
+    @property
+    def compiles_with_xla(self):
+        """Whether training runs compiled by XLA: the whole step
+        (`jit_compile`), or under a strategy each replica's forward and
+        backward pass."""
+        return bool(self.jit_compile is True or self._replica_jit_compile)
+
     def rank_models(self, monitor="val_loss", mode="auto", history=None):
         """The models best first by `monitor` in the last `fit`'s history
         (or `history`): `[(model index, value), ...]`, as the launcher's

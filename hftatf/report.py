@@ -237,9 +237,11 @@ class TableLogger(keras.callbacks.Callback):
         self.print_fn = print_fn
         self.history = {}
         self.tables = []
+        self._pending = None
 
     def on_train_begin(self, logs=None):
         self.history, self.tables, self._epochs = {}, [], 0
+        self._pending = None
 
     def on_epoch_end(self, epoch, logs=None):
         num_models = self.model.num_models
@@ -252,7 +254,20 @@ class TableLogger(keras.callbacks.Callback):
         for values in self.history.values():
             values.extend([math.nan] * (self._epochs - len(values)))
         if (epoch + 1) % self.every_n_epochs == 0:
-            self.print_fn(f"Epoch {epoch + 1}:\n{self.table()}")
+            # Printed once the epoch's progress bar has ended (Keras calls
+            # it after every other callback).
+            self._pending = f"Epoch {epoch + 1}:\n{self.table()}"
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._print_pending()
+
+    def on_train_end(self, logs=None):
+        self._print_pending()
+
+    def _print_pending(self):
+        if self._pending is not None:
+            self.print_fn(self._pending)
+            self._pending = None
 
     def table(self):
         """The table of the epochs so far (recorded in `tables`)."""
