@@ -123,3 +123,11 @@ def test_the_report_page_renders_in_chromium(tmp_path):
          "--dump-dom", path.as_uri()], capture_output=True, text=True,
         timeout=120).stdout
     assert plots.LOSS_CURVES_FILE in dom and "<table>" in dom
+
+
+def test_the_main_jobs_install_brings_matplotlib():
+    # README: `pip install -e ".[data]" && hftatf-train` writes the plots.
+    setup = (pathlib.Path(__file__).resolve().parents[2] / "setup.py")
+    text = setup.read_text()
+    data = text[text.index('"data": ['):]
+    assert "matplotlib" in data[:data.index("]")]
