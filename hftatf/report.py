@@ -199,13 +199,22 @@ def format_table(rows, hyperparameters=(), best=None, previous=None):
             text += f" ({value - before:+.2g})"
         return text
 
-    cells = [[cell(row, column) for column in columns] for row in rows]
-    widths = [max(len(column), *(len(r[i]) for r in cells))
-              for i, column in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths))
-              for r in cells]
-    return "\n".join(lines)
+    return aligned(columns, [[cell(row, column) for column in columns]
+                             for row in rows])
+
+
+def aligned(header, cells, left=False):
+    """The `header` and rows of `cells` (strings) as text in columns two
+    spaces apart, each as wide as its widest cell; right-aligned, or
+    left-aligned with `left`."""
+    widths = [max(len(name), *(len(row[i]) for row in cells))
+              for i, name in enumerate(header)]
+
+    def line(row):
+        return "  ".join(text.ljust(width) if left else text.rjust(width)
+                         for text, width in zip(row, widths))
+
+    return "\n".join(line(row) for row in [header, *cells])
 
 
 class TableLogger(keras.callbacks.Callback):
