@@ -38,7 +38,8 @@ setuptools.setup(
         "numpy>=1.26",
     ],
     extras_require={
-        "data": ["scikit-learn>=1.4"],
+        # The launcher's main job: its data and its plots.
+        "data": ["scikit-learn>=1.4", "matplotlib>=3.8"],
         "plot": ["matplotlib>=3.8"],
         # `benchmarks.kernels` times the fused XLA programs through JAX.
         "bench": ["matplotlib>=3.8", "jax>=0.4.30"],
@@ -47,8 +48,8 @@ setuptools.setup(
         # `hftatf.tuning`: keras-tuner tuners that train arrays.
         "tune": ["keras-tuner>=1.4,<2", "pyyaml>=5.1"],
         "dev": ["pytest>=8", "pytest-xdist>=3.5,<4", "ruff>=0.6",
-                "scikit-learn>=1.4", "pyyaml>=5.1", "keras-tuner>=1.4,<2",
-                "jax>=0.4.30"],
+                "scikit-learn>=1.4", "matplotlib>=3.8", "pyyaml>=5.1",
+                "keras-tuner>=1.4,<2", "jax>=0.4.30"],
     },
     entry_points={
         "console_scripts": ["hftatf-train = hftatf.tpu.train:run",

@@ -85,15 +85,34 @@ def _tpu_strategy(tpu, zone, project):
             "TPU's name or grpc:// address.")
     if tpu.startswith("grpc://"):
         _check_reachable(tpu)
+    resolver = _tpu_resolver(tpu, zone, project)
     try:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
-            tpu=tpu, zone=zone, project=project)
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
     except (ValueError, RuntimeError, tf.errors.OpError) as error:
         raise ValueError(
             f"Could not connect to the TPU {tpu!r}: {error}") from error
     return tf.distribute.TPUStrategy(resolver)
+
+
+def _tpu_resolver(tpu, zone, project):
+    """The `TPUClusterResolver` of `tpu`; a name that does not resolve is a
+    ValueError naming it, not the bare network error of the resolver's
+    look-up (off Cloud, the metadata server and the TPU API are not
+    there)."""
+    try:
+        return tf.distribute.cluster_resolver.TPUClusterResolver(
+            tpu=tpu, zone=zone, project=project)
+    except (OSError, ValueError, RuntimeError) as error:
+        where = ", ".join(f"{name}={value!r}" for name, value in
+                          (("zone", zone), ("project", project)) if value)
+        raise ValueError(
+            f"The TPU {tpu!r} could not be resolved"
+            f"{f' in {where}' if where else ''} ({error}). A TPU name is "
+            "looked up on Google Cloud (pass zone= and project=, the "
+            "launchers' --zone and --project, where the VM's own are not "
+            "the TPU's); elsewhere pass tpu='grpc://host:port' of the TPU "
+            "worker, or tpu='local' on a TPU VM.") from None
 
 
 def _check_reachable(address):

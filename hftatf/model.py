@@ -23,8 +23,9 @@ from keras.src.trainers.compile_utils import CompileLoss, CompileMetrics
 from keras.src.trainers.trainer import model_supports_jit
 from keras.src.utils import tracking
 
-from hftatf import backup, passes, seeds, sparse
+from hftatf import backup, passes, progress, report, seeds, sparse
 from hftatf import optimizers as fused_optimizers
+from hftatf import summary as array_summary
 from hftatf.api import hftatf_export
 from hftatf.core import hooks
 from hftatf.graph import config_layers, graph_layers, is_graph_model
@@ -1549,7 +1550,8 @@ class FusedModel(keras.Model):
                 "`class_weight` and `sample_weight` cannot both be given, as "
                 "in Keras: fold the class weights into the sample weights.")
         self._use_class_weight(class_weight)
-        callbacks = kwargs.pop("callbacks", None)
+        callbacks = progress.with_progress_bar(
+            kwargs.pop("callbacks", None), kwargs.get("verbose", "auto"))
         _check_callbacks(callbacks)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.append(_DivergenceReport())
@@ -1558,6 +1560,13 @@ class FusedModel(keras.Model):
             callbacks = _backups_last([*(callbacks or []),
                                        _DivergenceReport()])
         return super().fit(*args, callbacks=callbacks, **kwargs)
+
+    def evaluate(self, *args, callbacks=None, **kwargs):
+        """As `keras.Model.evaluate`, with the array's progress bar
+        (`hftatf.progress`)."""
+        callbacks = progress.with_progress_bar(
+            callbacks, kwargs.get("verbose", "auto"))
+        return super().evaluate(*args, callbacks=callbacks, **kwargs)
 
     def train_on_batch(self, x, y=None, sample_weight=None,
                        class_weight=None, return_dict=False):
@@ -1790,6 +1799,30 @@ class FusedModel(keras.Model):
                 _copy_model_slices(self.optimizer.variables,
                                    optimizer.variables, indices, B)
         return array
+
+    def summary(self, *args, fused=False, **kwargs):
+        """Prints the layers of the model this array was fused from, with
+        one model's shapes and parameter count, and the number of models
+        (`hftatf.summary`); `fused=True`: the array's own fused layers,
+        `[B, ...]` weights and `[batch, B, ...]` shapes, as
+        `keras.Model.summary` prints them. Other arguments are those of
+        `keras.Model.summary`."""
+        if fused:
+            return super().summary(*args, **kwargs)
+        return array_summary.print_summary(self, *args, **kwargs)
+
+    @property
+    def compiles_with_xla(self):
+        """Whether training runs compiled by XLA: the whole step
+        (`jit_compile`), or under a strategy each replica's forward and
+        backward pass."""
+        return bool(self.jit_compile is True or self._replica_jit_compile)
+
+    def rank_models(self, monitor="val_loss", mode="auto", history=None):
+        """The models best first by `monitor` in the last `fit`'s history
+        (or `history`): `[(model index, value), ...]`, as the launcher's
+        table ranks them; see `hftatf.report.rank_models`."""
+        return report.rank_models(self, monitor, mode, history)
 
     def get_model_weights(self, index):
         """Model `index`'s slice of every weight, in `self.weights` order."""

@@ -5,6 +5,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import tensorflow as tf
@@ -73,6 +74,20 @@ def test_missing_tpu_is_a_clear_error(monkeypatch, tpu, message):
     monkeypatch.delenv("TPU_NAME", raising=False)
     with pytest.raises(ValueError, match=message):
         distribute.strategy_from_name("tpu", tpu=tpu)
+
+
+def test_an_unresolvable_tpu_name_is_a_clear_error_within_seconds(
+        monkeypatch):
+    # Off Cloud the resolver's look-up of a name fails (no metadata server,
+    # no network here); the error names the TPU and what to pass instead.
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as raised:
+        distribute.strategy_from_name("tpu", tpu="no-such-tpu")
+    assert time.monotonic() - start < 30
+    message = str(raised.value)
+    assert "'no-such-tpu' could not be resolved" in message
+    assert "grpc://host:port" in message and "local" in message
 
 
 def test_unknown_strategy_name():

@@ -125,7 +125,11 @@ class Config:
         export_dir: where each model is exported (None: `model_dir/export`,
             `""`: no export).
         verbose: Keras' verbosity (0 silent, 1 progress bar, 2 one line per
-            epoch).
+            epoch); 3: a progress bar, and TensorFlow's own start-up
+            logging (its C++ runtime's notes and warnings), which the
+            launchers otherwise silence.
+        table_every: print the per-model table every this many epochs
+            (0: only at the end).
     """
 
     strategy: str = "auto"
@@ -157,6 +161,7 @@ class Config:
     model_dir: str | None = None
     export_dir: str | None = None
     verbose: int = 1
+    table_every: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -239,11 +244,16 @@ class Config:
             raise ConfigError(
                 "--eval_steps must be an integer >= 0 (0: no validation). "
                 f"Received: {self.eval_steps!r}.")
-        if self.verbose not in (0, 1, 2):
+        if self.verbose not in (0, 1, 2, 3):
             raise ConfigError(
-                "--verbose must be 0 (silent), 1 (progress bar) or 2 (one "
-                f"line per epoch), as Keras' fit takes it. Received: "
-                f"{self.verbose!r}.")
+                "--verbose must be 0 (silent), 1 (progress bar), 2 (one "
+                "line per epoch) or 3 (progress bar and TensorFlow's "
+                f"start-up logging). Received: {self.verbose!r}.")
+        if _not_int(self.table_every) or self.table_every < 0:
+            raise ConfigError(
+                "--table_every must be an integer >= 0 (epochs between "
+                "per-model tables; 0: only at the end). Received: "
+                f"{self.table_every!r}.")
         if _not_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ConfigError(
                 "--seed must be an integer from 0 to 2**32 - 1 (numpy's "
@@ -706,7 +716,8 @@ def _normalize(name, value, source):
     if name == "deterministic":
         return _boolean(value)
     if name in ("batch_size", "epochs", "train_steps", "eval_steps",
-                "steps_per_execution", "num_models", "seed", "verbose"):
+                "steps_per_execution", "num_models", "seed", "verbose",
+                "table_every"):
         if isinstance(value, str):
             try:
                 return int(value)

@@ -169,7 +169,9 @@ def recipe_source(recipe, seed, data_args=None):
                 None if validation is None else _shard_batches(
                     validation, context))
 
-    return Source("recipe", f"recipe {recipe.name}", make)
+    name = getattr(recipe.data, "__name__", None)
+    return Source("recipe", f"{name} (recipe {recipe.name})" if name
+                  else f"recipe {recipe.name}", make)
 
 
 def _shard_batches(dataset, context):

@@ -25,9 +25,9 @@ import tensorflow as tf
 from absl import app, flags, logging
 
 import hftatf
-from hftatf import backup, distribute
+from hftatf import backup, distribute, report
 from hftatf import callbacks as fused_callbacks
-from hftatf.tpu import data, results
+from hftatf.tpu import data, page, plots, results
 from hftatf.tpu.config import (
     PRECISIONS,
     SCHEDULES,
@@ -38,6 +38,7 @@ from hftatf.tpu.config import (
     parse_mapping,
     read_file,
 )
+from hftatf.tpu.header import header_lines
 
 FLAGS = flags.FLAGS
 
@@ -169,7 +170,11 @@ def define_flags(flag_values=FLAGS):
            "one key) or a YAML mapping. Flags given explicitly win.")
     define.DEFINE_integer(
         "verbose", 1, "Keras verbosity: 0 silent, 1 progress bar, 2 one "
-        "line per epoch.")
+        "line per epoch; 3: a progress bar, and TensorFlow's start-up "
+        "logging (silenced otherwise, unless TF_CPP_MIN_LOG_LEVEL is set).")
+    define.DEFINE_integer(
+        "table_every", 0, "Print the per-model table every this many "
+        "epochs (0: only at the end).")
 
 
 def config_from_flags(flag_values=FLAGS):
@@ -213,6 +218,8 @@ class Run:
         hyperparameters: the names of the hyper-parameters in `results`.
         initial_epoch: the epoch the run started (or resumed) at.
         num_replicas: the replicas the array trained on.
+        header: the lines printed before the first epoch.
+        report_path: the run's `report.html`.
     """
 
     config: Config
@@ -226,6 +233,8 @@ class Run:
     hyperparameters: list
     initial_epoch: int
     num_replicas: int
+    header: list
+    report_path: pathlib.Path
 
 
 def train(config, callbacks=()):
@@ -249,8 +258,8 @@ def train(config, callbacks=()):
             a backup in `model_dir` of another number of models.
     """
     plan = _prepare(config.validate().resolved())
-    array = _fit(plan, callbacks)
-    return _report(plan, array)
+    array, header = _fit(plan, callbacks)
+    return _report(plan, array, header)
 
 
 @dataclasses.dataclass
@@ -333,10 +342,6 @@ def _fit(plan, callbacks):
     else:
         logging.warning("Resuming %s from its backup at epoch %d of %d.",
                         model_dir, plan.initial_epoch, config.epochs)
-    logging.info(
-        "Training %d %s models on %d replica(s) of %s; data: %s.",
-        plan.num_models, config.model, plan.strategy.num_replicas_in_sync,
-        type(plan.strategy).__name__, plan.source.description)
     with _global_policy(config.mixed_precision), plan.strategy.scope():
         array = hftatf.fuse(plan.stock, plan.num_models,
                             model_class=plan.recipe.model_class
@@ -347,12 +352,16 @@ def _fit(plan, callbacks):
             loss=plan.recipe.loss, metrics=list(plan.recipe.metrics) or None,
             steps_per_execution=config.steps_per_execution,
             jit_compile=config.jit_compile)
+        header = header_lines(plan, array)
+        if config.verbose:
+            print("\n".join(header), flush=True)
         array.fit(
             inputs.train, validation_data=inputs.validation,
             epochs=config.epochs, steps_per_epoch=inputs.steps_per_epoch,
             validation_steps=inputs.validation_steps or None,
             # The pipelines shuffle (seeded, every pass).
-            shuffle=False, verbose=config.verbose,
+            shuffle=False, verbose=min(config.verbose, 2) if (
+                config.verbose != 3) else 1,
             callbacks=[
                 # Logged before the backup: epochs logged after the last
                 # backup of a killed run are trimmed when it resumes.
@@ -363,34 +372,55 @@ def _fit(plan, callbacks):
                     model_dir / LOG_DIR,
                     hyperparameters=plan.hyperparameters),
                 backup.BackupAndRestore(model_dir / BACKUP_DIR),
+                *_table_logger(plan),
                 *callbacks,
             ])
-    return array
+    return array, header
 
 
-def _report(plan, array):
-    """Writes the results, the loss curves and the exports of the trained
-    `array`; returns the `Run`."""
+def _table_logger(plan):
+    """The per-model table every `--table_every` epochs, as a list."""
+    if not plan.config.table_every:
+        return []
+    return [report.TableLogger(
+        plan.config.table_every, monitor=plan.recipe.monitor,
+        mode=plan.recipe.monitor_mode, hyperparameters=plan.columns)]
+
+
+def _report(plan, array, header):
+    """Writes the results, the plots, the report page and the exports of
+    the trained `array`; returns the `Run`."""
     config, columns = plan.config, plan.columns
     history = results.read_history(plan.history_path, plan.num_models)
-    rows = results.model_results(history, columns, array.diverged_models)
+    rows = report.model_results(history, columns, array.diverged_models)
     results.write_csv(rows, plan.model_dir / results.RESULTS_FILE)
-    results.plot_losses(history, [_label(row, columns) for row in rows],
-                        plan.model_dir / results.PLOT_FILE)
+    best_by, mode = report.best_monitor(rows, plan.recipe.monitor,
+                                        plan.recipe.monitor_mode)
+    best = report.best_model(rows, best_by, mode)
+    best_index = None if best is None else best["model"]
+    images = [image for image in (
+        plots.plot_loss_curves(
+            history, [_label(row, columns) for row in rows],
+            plan.model_dir / plots.LOSS_CURVES_FILE, best=best_index,
+            diverged=array.diverged_models),
+        plots.plot_hyperparameters(
+            rows, columns, plan.model_dir / plots.HYPERPARAMETERS_FILE,
+            best=best_index)) if image is not None]
+    report_path = page.write_report(
+        plan.model_dir / page.REPORT_FILE, f"hftatf-train: {config.model}",
+        header, rows, columns, best=best_index, images=images)
     export_dir = None
     if config.export_dir:
         export_dir = pathlib.Path(config.export_dir)
         metrics = {key: values for key, values in history.items()
                    if key.rpartition("_")[0] not in columns}
         hftatf.export.export_models(array, export_dir, history=metrics)
-    best_by, mode = results.best_monitor(rows, plan.recipe.monitor,
-                                         plan.recipe.monitor_mode)
     return Run(config=config, array=array, history=history, results=rows,
-               best=results.best_model(rows, best_by, mode), best_by=best_by,
-               model_dir=plan.model_dir, export_dir=export_dir,
-               hyperparameters=plan.hyperparameters,
+               best=best, best_by=best_by, model_dir=plan.model_dir,
+               export_dir=export_dir, hyperparameters=plan.hyperparameters,
                initial_epoch=plan.initial_epoch,
-               num_replicas=plan.strategy.num_replicas_in_sync)
+               num_replicas=plan.strategy.num_replicas_in_sync,
+               header=header, report_path=report_path)
 
 
 @contextlib.contextmanager
@@ -566,7 +596,8 @@ def make_optimizer(config, per_model, shared, steps_per_epoch):
 
 
 def _label(row, columns):
-    values = ", ".join(f"{name}={row[name]:g}" for name in columns)
+    values = ", ".join(f"{name}={report.format_hyperparameter(row[name])}"
+                       for name in columns)
     return f"model {row['model']} ({values})"
 
 
@@ -578,15 +609,19 @@ def main(argv):
     # TensorFlow's notes (SavedModel assets, ...) would drown the run's.
     logging.set_verbosity(logging.WARNING)
     run = train(config_from_flags())
-    print(results.format_table(run.results))
+    print(report.format_table(
+        run.results, run.hyperparameters,
+        best=None if run.best is None else run.best["model"]))
     if run.best is not None:
-        described = ", ".join(f"{name} {run.best[name]:g}"
-                              for name in run.hyperparameters)
+        described = ", ".join(
+            f"{name} {report.format_hyperparameter(run.best[name])}"
+            for name in run.hyperparameters)
         monitor = run.config.recipe().monitor
         by = "" if run.best_by == monitor else (
             f", by the training {run.best_by} ({monitor} has no values)")
         print(f"Best: model {run.best['model']} ({described}){by}.")
-    print(f"Results: {run.model_dir / results.RESULTS_FILE}")
+    print(f"Results: {run.model_dir / results.RESULTS_FILE}, "
+          f"{run.report_path}")
     if run.export_dir is not None:
         print(f"Exported {len(run.results)} models to {run.export_dir}/")
 

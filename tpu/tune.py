@@ -37,7 +37,7 @@ import tensorflow as tf
 from absl import app, flags
 
 import hftatf
-from hftatf import tuning
+from hftatf import report, tuning
 from hftatf.models import recipes
 from hftatf.tpu import data
 from hftatf.tpu.config import ConfigError, check_directory, parse_mapping
@@ -427,12 +427,7 @@ def format_table(rows, objective):
     names = [n if n != "score" else objective for n in names]
     cells = [[_cell(row.get("score" if n == objective else n)) for n in
               names] for row in rows]
-    widths = [max(len(n), *(len(c[i]) for c in cells))
-              for i, n in enumerate(names)]
-    lines = ["  ".join(n.ljust(w) for n, w in zip(names, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(line, widths))
-              for line in cells]
-    return "\n".join(lines)
+    return report.aligned(names, cells, left=True)
 
 
 def _cell(value):

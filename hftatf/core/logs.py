@@ -91,6 +91,59 @@ def check_log_names(per_model, num_models):
             "`keras.metrics.AUC(curve='PR', name='pr_auc')`.")
 
 
+def ordered_names(names):
+    """`names` of logged quantities in the order people read them: the
+    training ones first (`loss` first, then the others by name), then the
+    validation ones in the same order."""
+    def order(name):
+        base = name[4:] if name.startswith("val_") else name
+        return (name.startswith("val_"), base != "loss", base)
+
+    return sorted(names, key=order)
+
+
+def _metric_objects(model):
+    """Every metric object of `model`, containers (CompileMetrics,
+    MetricsList, CompileLoss) opened."""
+    pending = list(getattr(model, "metrics", None) or [])
+    while pending:
+        metric = pending.pop(0)
+        inner = getattr(metric, "metrics", None)
+        if isinstance(inner, (list, tuple)) and inner:
+            pending.extend(inner)
+        yield metric
+
+
+def monitor_direction(model, monitor, num_models=None):
+    """Whether `monitor` improves `"up"` or `"down"`, as stock Keras infers
+    it in `mode="auto"`, for the base names of per-model logs too.
+
+    The `val_` prefix and a model suffix (`_b`, for `b < num_models`) are
+    ignored. `loss` (and any `*_loss`) goes down; a metric compiled into
+    `model` goes the way its `_direction` says (as in stock Keras); names
+    ending in `acc`, `accuracy` or `auc` go up (for metrics not built yet).
+
+    Raises:
+        ValueError: if the direction cannot be inferred.
+    """
+    names = [monitor.removeprefix("val_")]
+    base, index = base_log_name(names[0], num_models)
+    if index is not None:
+        names.append(base)
+    for name in names:
+        if name == "loss" or name.endswith("_loss"):
+            return "down"
+        for metric in _metric_objects(model):
+            if metric.name == name and hasattr(metric, "_direction"):
+                return "up" if metric._direction == "up" else "down"
+        if name.endswith(("acc", "accuracy", "auc")):
+            return "up"
+    raise ValueError(
+        f"Cannot infer whether monitor={monitor!r} should be maximized or "
+        "minimized. Pass mode='max' to monitor the highest value, or "
+        "mode='min' to monitor the lowest.")
+
+
 # -- the epoch of a model's weights -----------------------------------------
 
 # The attribute of a `keras.callbacks.History` that says, per model, the

@@ -295,7 +295,9 @@ def test_tpu_strategy_without_a_tpu_fails_fast(tmp_path, monkeypatch):
     monkeypatch.delenv("TPU_NAME", raising=False)
     model_dir = tmp_path / "run"
     start = time.monotonic()
-    for tpu, message in [(None, "needs a TPU"), ("local", "has none")]:
+    for tpu, message in [(None, "needs a TPU"), ("local", "has none"),
+                         ("no-such-tpu", "'no-such-tpu' could not be "
+                          "resolved")]:
         with flagsaver.flagsaver(strategy="tpu", tpu=tpu,
                                  model_dir=str(model_dir)):
             with pytest.raises(ConfigError, match=message):

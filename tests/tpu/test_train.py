@@ -12,9 +12,10 @@ import pytest
 from absl.testing import flagsaver
 from testing import Interrupt, assert_close
 
+from hftatf import report
 from hftatf.models import data as zoo_data
 from hftatf.tpu import config as config_module
-from hftatf.tpu import results, train
+from hftatf.tpu import page, plots, results, train
 from hftatf.tpu.config import Config, ConfigError
 
 FLAGS = train.FLAGS
@@ -71,12 +72,14 @@ def test_main_job_trains_reports_and_exports_four_models(tmp_path, capsys):
                              model_dir=str(model_dir)):
         train.main([])
     printed = capsys.readouterr().out
-    header = printed.splitlines()[0].split()
+    lines = printed.splitlines()
+    # verbose=0: no header, the table first.
+    header = lines[0].split()
     assert header == ["model", "learning_rate", "loss", "accuracy",
                       "val_loss", "val_accuracy", "status"]
     rates = [0.3, 0.1, 0.03, 0.01]
-    for line, rate in zip(printed.splitlines()[1:5], rates):
-        assert float(line.split()[1]) == rate
+    for line, rate in zip(lines[1:5], rates):
+        assert line.split()[1] == str(rate)
     assert "Best: model" in printed and "Exported 4 models" in printed
 
     rows = read_csv(model_dir / results.RESULTS_FILE)
@@ -89,13 +92,15 @@ def test_main_job_trains_reports_and_exports_four_models(tmp_path, capsys):
     assert config_files in (["config.yaml"], ["config.json"])
     for b in range(4):
         assert list((model_dir / "logs" / f"model_{b}").glob("events.*"))
-    plot = model_dir / results.PLOT_FILE
+    plot = model_dir / plots.LOSS_CURVES_FILE
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         assert not plot.exists()
     else:
         assert plot.stat().st_size > 1000
+        assert (model_dir / plots.HYPERPARAMETERS_FILE).exists()
+    assert (model_dir / page.REPORT_FILE).exists()
     # The backup of a finished run is gone: rerunning starts over.
     assert not list((model_dir / "backup").glob("*"))
 
@@ -319,6 +324,44 @@ def test_a_training_set_of_less_than_one_step_fails_before_writing(
     assert not (tmp_path / "mlp").exists()
 
 
+def test_a_header_then_the_table_every_n_epochs(tmp_path, capsys,
+                                                monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    model_dir = tmp_path / "run"
+    with flagsaver.flagsaver(epochs=2, train_steps=2, eval_steps=1,
+                             verbose=2, table_every=1,
+                             learning_rate=["0.03", "0.01"],
+                             model_dir=str(model_dir), export_dir=""):
+        train.main([])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:3] == [
+        "hftatf-train: 2 mlp models; data: digit_images (recipe mlp); 2 "
+        "epochs of 2 steps per epoch (+1 validation), batch 64",
+        "  per model: learning_rate 0.03, 0.01",
+        "  device: 1 CPU (OneDeviceStrategy); backend tensorflow; XLA on"]
+    assert lines[3] == "Epoch 1/2"
+    history = results.read_history(model_dir / results.HISTORY_FILE, 2)
+    tables = [i for i, line in enumerate(lines) if line.startswith("Epoch")
+              and line.endswith(":")]
+    assert [lines[i] for i in tables] == ["Epoch 1:", "Epoch 2:"]
+    for epoch, i in enumerate(tables):
+        assert lines[i + 1].split() == [
+            "model", "learning_rate", "loss", "accuracy", "val_loss",
+            "val_accuracy", "status"]
+        # By the recipe's monitor; ties to the first model.
+        monitored = [history[f"val_accuracy_{b}"][epoch] for b in range(2)]
+        best = int(np.argmax(monitored))
+        for b, rate in enumerate(["0.03", "0.01"]):
+            cells = lines[i + 2 + b].split()
+            assert cells[:2] == [f"{b}*" if b == best else str(b), rate]
+            assert cells[2] == f"{history[f'loss_{b}'][epoch]:.4g}"
+            if epoch:
+                change = (history[f"loss_{b}"][1] - history[f"loss_{b}"][0])
+                assert cells[3] == f"({change:+.2g})"
+    # The table is printed after the epoch's line.
+    assert lines[tables[0] - 1].startswith("2/2 - ")
+
+
 def test_without_validation_the_best_is_by_training_loss(tmp_path, capsys):
     model_dir = tmp_path / "run"
     with flagsaver.flagsaver(epochs=1, train_steps=1, eval_steps=0,
@@ -378,8 +421,8 @@ def test_a_diverged_models_results_are_all_of_its_last_finite_epoch():
                "accuracy_1": [0.4, 0.35, 0.7],
                "loss_2": [nan, nan, nan], "val_loss_2": [1.0, nan, nan],
                "accuracy_2": [0.5, 0.6, 0.7]}
-    rows = results.model_results(history, {"learning_rate": [0.1, 1e6, 1e9]},
-                                 diverged=[False, True, True])
+    rows = report.model_results(history, {"learning_rate": [0.1, 1e6, 1e9]},
+                                diverged=[False, True, True])
     assert (rows[0]["loss"], rows[0]["val_loss"], rows[0]["accuracy"]) == (
         0.25, 0.3, 0.3)
     # Epoch 1, where its loss was last finite: not epoch 0's val_loss, nor

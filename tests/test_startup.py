@@ -1,0 +1,97 @@
+"""The launchers start quietly: TensorFlow's start-up notes are left out
+in a launcher's process, unless its user asks for them."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import hftatf
+from hftatf.core import startup
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STARTUP = ROOT / "hftatf" / "core" / "startup.py"
+
+# Loads the module from its file, so that nothing but it runs before
+# TensorFlow is imported, then starts TensorFlow.
+PROBE = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("startup", {str(STARTUP)!r})
+startup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(startup)
+print(startup.quiet_launcher_start(argv=sys.argv[1:]))
+import tensorflow as tf
+print(int(tf.constant(1) + 1))
+"""
+
+
+def run_probe(*argv, **environ):
+    env = {key: value for key, value in os.environ.items()
+           if key != "TF_CPP_MIN_LOG_LEVEL"}
+    env.update(environ)
+    return subprocess.run([sys.executable, "-c", PROBE, *argv], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def notes(stderr):
+    return [line for line in stderr.splitlines()
+            if line.startswith(("I0000", "I1", "W0000"))]
+
+
+@pytest.mark.slow
+def test_a_launcher_starts_without_tensorflows_notes():
+    quiet = run_probe("hftatf-train", "--epochs=1")
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    assert quiet.stdout.split() == ["True", "2"]
+    assert notes(quiet.stderr) == [], quiet.stderr
+    assert "absl::InitializeLog" not in quiet.stderr
+    # Asked for, the notes show (this TensorFlow writes some on import).
+    loud = run_probe("hftatf-train", "--verbose=3")
+    assert loud.stdout.split() == ["False", "2"]
+    assert notes(loud.stderr), loud.stderr
+
+
+def test_only_launchers_and_only_unless_asked():
+    environ = {}
+    assert not startup.quiet_launcher_start(environ, ["python"], [])
+    assert not startup.quiet_launcher_start(
+        {"TF_CPP_MIN_LOG_LEVEL": "0"}, ["/usr/bin/hftatf-train"], [])
+    assert not startup.quiet_launcher_start(
+        environ, ["hftatf-tune", "--verbose", "3"], [])
+    assert environ == {}
+    assert startup.launcher_argv(
+        ["-m"], ["python", "-m", "hftatf.tpu.train", "--epochs=1"]) == [
+        "hftatf.tpu.train", "--epochs=1"]
+    assert startup.launcher_argv(["pytest"], ["python", "-m", "pytest"]) \
+        is None
+    assert not startup.asks_for_tensorflow_logs(["--verbose=2"])
+
+
+def test_warnings_and_errors_are_kept():
+    text = ("WARNING: All log messages before absl::InitializeLog() is "
+            "called are written to STDERR\n"
+            "I0000 00:00:1796403487.103247   23454 port.cc:153] oneDNN\n"
+            "E0000 00:00:1796403498.794572   23454 cuda_platform.cc:52] x\n"
+            "W1204 16:37:21.496927 139900087065472 results.py:205] y\n"
+            "UserWarning: z\n")
+    assert startup.without_notes(text) == "".join(
+        text.splitlines(keepends=True)[2:])
+
+
+@pytest.mark.skipif(
+    "quiet_launcher_start" not in pathlib.Path(hftatf.__file__).read_text(),
+    reason="hftatf/__init__.py does not call "
+    "hftatf.core.startup.quiet_launcher_start() before its imports")
+@pytest.mark.slow
+def test_the_launcher_command_runs_quietly(tmp_path):
+    env = {key: value for key, value in os.environ.items()
+           if key != "TF_CPP_MIN_LOG_LEVEL"}
+    result = subprocess.run(
+        [sys.executable, "-m", "hftatf.tpu.train", "--epochs=1",
+         "--train_steps=1", "--eval_steps=1", "--export_dir=",
+         f"--model_dir={tmp_path}", "--verbose=2"], env=env,
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert notes(result.stderr) == [], result.stderr
