@@ -2,6 +2,7 @@
 
 import pathlib
 import re
+import runpy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,11 +33,18 @@ def test_zoo_and_launchers_install_under_the_hftatf_namespace():
     assert pathlib.Path(hftatf.tpu.train.__file__).parent.name == "tpu"
 
 
-def test_setup_installs_every_package():
-    setup = (ROOT / "setup.py").read_text()
-    listed = set(re.findall(r'"(hftatf(?:\.\w+)*)"',
-                            setup[setup.index("packages="):
-                                  setup.index("package_dir=")]))
+def setup_arguments(monkeypatch):
+    """The keyword arguments setup.py passes to `setuptools.setup`."""
+    import setuptools
+
+    received = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: received.update(kw))
+    runpy.run_path(str(ROOT / "setup.py"))
+    return received
+
+
+def test_setup_installs_every_package(monkeypatch):
+    listed = set(setup_arguments(monkeypatch)["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts)
              for p in (ROOT / "hftatf").rglob("__init__.py")}
     found |= {"hftatf." + p.parent.name
