@@ -267,13 +267,16 @@ class PerModelSteps:
     @compat.optimizer_hook
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         mask = self._model_mask
-        if mask is None:
+        if mask is None or not tf.distribute.has_strategy():
+            # Without replicas the update runs in this thread, which holds
+            # the mask (`_masked`).
             return super()._backend_update_step(grads, trainable_variables,
                                                 learning_rate)
-        # As the TensorFlow optimizer does: gradients summed over replicas,
-        # then each variable updated in a cross-replica merge_call. The mask
-        # travels through the merge_call as an argument, so that each copy
-        # of a variable is updated with its own replica's mask.
+        # Under tf.distribute, as the TensorFlow optimizer does: gradients
+        # summed over replicas, then each variable updated in a
+        # cross-replica merge_call. The mask travels through the merge_call
+        # as an argument, so that each copy of a variable is updated with
+        # its own replica's mask.
         trainable_variables = [scopes.unwrap(v) for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(
             list(zip(grads, trainable_variables)))
