@@ -69,14 +69,13 @@ class PerModelSteps:
             # (A replica-context cond may not hold the merge_call that
             # updates make under tf.distribute. XLA fuses the selects of
             # the masked update into it: no cost per step, and one update
-            # to trace and compile, not two.)
+            # to trace and compile, not two; and on JAX a cond whose
+            # branches assign variables leaks tracers.)
             self._apply(grads, trainable_variables, mask)
         else:
             # Most steps update every model: those take the unmasked
             # update, without a select per variable and slot. Tracing both
-            # costs time once (mobilenet_v3_small, B = 3, CPU: first step
-            # 24.5 s, 18.9 s with the masked update alone); the selects
-            # would cost it every step (101 -> 109 ms).
+            # costs time once; the selects would cost time every step.
             ops.cond(ops.all(mask),
                      lambda: self._apply(grads, trainable_variables, None),
                      lambda: self._apply(grads, trainable_variables, mask))
