@@ -285,9 +285,13 @@ def maybe_merge_call(fn, strategy, *args):
 
 
 def compiled_by_xla():
-    """Whether the TensorFlow function being traced is compiled by XLA.
-    Public API missing: `control_flow_util.GraphOrParentsInXlaContext`
+    """Whether the step being traced is compiled by XLA: always on JAX,
+    where XLA compiles every computation (and where a cond whose branches
+    assign variables leaks tracers), else whether the TensorFlow function
+    is. Public API missing: `control_flow_util.GraphOrParentsInXlaContext`
     (TensorFlow 2.21)."""
+    if keras.backend.backend() == "jax":
+        return True
     import tensorflow as tf  # Only reached on the TensorFlow backend.
     from tensorflow.python.ops import control_flow_util
 

@@ -6,7 +6,6 @@ own steps, and its moving average starts from its weights on its own first
 step, with its own `ema_momentum[b]`.
 """
 
-import tensorflow as tf
 from keras import ops
 
 from hftatf.core import compat
@@ -44,15 +43,15 @@ class PerModelAveraging:
 
     def _for_models(self, due, update):
         """Runs `update` for the models where the `[B]` boolean `due` holds
-        (and that the step applies to); the others are left untouched."""
+        (and that the step applies to); the others are left untouched.
+
+        Every step computes the update and selects, per model, between it
+        and the old values (`_masked`), rather than branching on `due`: a
+        branch that assigns variables leaks tracers on JAX, and under
+        tf.distribute a replica-context cond may not hold the merge_call
+        of the updates."""
         with self._masked(due), self._broadcasts():
-            if tf.distribute.has_strategy():
-                # A replica-context cond may not hold a merge_call, which
-                # updates under tf.distribute make: run, selecting per model.
-                update()
-            else:
-                # Skips the work altogether on steps where no model is due.
-                ops.cond(ops.any(self._model_mask), update, lambda: None)
+            update()
 
     # -- moving averages of the weights, per model ---------------------------
 

@@ -10,7 +10,6 @@ import contextlib
 import threading
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from hftatf import sparse
@@ -49,8 +48,9 @@ def unwrap(variable):
 
 
 def read(variable):
-    """The value of a Keras or TensorFlow variable, as a tensor."""
-    return tf.convert_to_tensor(unwrap(variable))
+    """The value of a Keras or backend variable, as a tensor: a snapshot,
+    which later assignments to the variable do not change."""
+    return ops.copy(unwrap(variable))
 
 
 def dense(value, variable):

@@ -69,14 +69,13 @@ class PerModelSteps:
             # (A replica-context cond may not hold the merge_call that
             # updates make under tf.distribute. XLA fuses the selects of
             # the masked update into it: no cost per step, and one update
-            # to trace and compile, not two.)
+            # to trace and compile, not two; and on JAX a cond whose
+            # branches assign variables leaks tracers.)
             self._apply(grads, trainable_variables, mask)
         else:
             # Most steps update every model: those take the unmasked
             # update, without a select per variable and slot. Tracing both
-            # costs time once (mobilenet_v3_small, B = 3, CPU: first step
-            # 24.5 s, 18.9 s with the masked update alone); the selects
-            # would cost it every step (101 -> 109 ms).
+            # costs time once; the selects would cost time every step.
             ops.cond(ops.all(mask),
                      lambda: self._apply(grads, trainable_variables, None),
                      lambda: self._apply(grads, trainable_variables, mask))
@@ -267,13 +266,16 @@ class PerModelSteps:
     @compat.optimizer_hook
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         mask = self._model_mask
-        if mask is None:
+        if mask is None or not tf.distribute.has_strategy():
+            # Without replicas the update runs in this thread, which holds
+            # the mask (`_masked`).
             return super()._backend_update_step(grads, trainable_variables,
                                                 learning_rate)
-        # As the TensorFlow optimizer does: gradients summed over replicas,
-        # then each variable updated in a cross-replica merge_call. The mask
-        # travels through the merge_call as an argument, so that each copy
-        # of a variable is updated with its own replica's mask.
+        # Under tf.distribute, as the TensorFlow optimizer does: gradients
+        # summed over replicas, then each variable updated in a
+        # cross-replica merge_call. The mask travels through the merge_call
+        # as an argument, so that each copy of a variable is updated with
+        # its own replica's mask.
         trainable_variables = [scopes.unwrap(v) for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(
             list(zip(grads, trainable_variables)))
