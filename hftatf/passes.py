@@ -47,6 +47,7 @@ there.
 """
 
 import glob
+import logging
 import os
 import re
 
@@ -54,10 +55,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
-from keras.src.backend import get_keras_mask, set_keras_mask
 
 from hftatf import sparse
-from hftatf.layers.base import carry_logits, mask_has_model_axis
+from hftatf.core import compat
+from hftatf.core.compat import get_keras_mask, set_keras_mask
+from hftatf.layers.base import (
+    carry_logits,
+    mask_has_model_axis,
+    runs_on_accelerator,
+)
 
 # Assumed when the system does not say (a common server CPU's L3).
 DEFAULT_CACHE_BYTES = 32 * 2**20
@@ -320,3 +326,72 @@ def concat_gradients(parts, starts, shape):
             tf.concat(values, 0), tf.concat(indices, 0),
             dense_shape=tf.constant((shape[0] * rows,) + tail, tf.int64))
     return ops.concatenate(parts, axis=0)
+
+
+class PassPlanning:
+    """Mixin of `FusedModel`: how many models a pass of its training step
+    computes (`compile(models_per_pass=...)`), decided once per `compile`.
+
+    Reads `_models_per_pass` (the `compile` setting),
+    `_resolved_models_per_pass` (None until decided) and the backend
+    trainer's `_pass_model`.
+    """
+
+    @property
+    def models_per_pass(self):
+        """Models per forward and backward pass of the training step: the
+        `compile` setting, resolved (`"auto"` to a number) once a training
+        step has been traced."""
+        if self._resolved_models_per_pass is not None:
+            return self._resolved_models_per_pass
+        if self._models_per_pass is None:
+            return self.num_models
+        return self._models_per_pass
+
+    def _models_per_pass_for(self, x):
+        """The resolved `models_per_pass` (decided once per `compile`)."""
+        if self._resolved_models_per_pass is None:
+            setting = self._models_per_pass
+            if setting is None:
+                count = self.num_models
+            elif setting != "auto":
+                count = setting
+            elif (compat.distribute_strategy(self) is not None
+                  or runs_on_accelerator()
+                  or self._weights_assigned_in_training()
+                  # Convolutional arrays without XLA: passes measured no
+                  # faster (benchmarks/README.md).
+                  or (not self.jit_compile and self._has_convolutions())):
+                count = self.num_models
+            else:
+                count = self._checked_auto_models_per_pass(
+                    auto_models_per_pass(
+                        self, keras.tree.flatten(x)[0].shape[0]))
+            self._resolved_models_per_pass = count
+        return self._resolved_models_per_pass
+
+    def _checked_auto_models_per_pass(self, count):
+        """`count`, or all models if an array of `count` models cannot be
+        built from this array's config (e.g. a subclass whose constructor
+        takes more than its config holds): `"auto"` only speeds up."""
+        if count >= self.num_models:
+            return count
+        try:
+            for size in {stop - start for start, stop in bounds(
+                    self.num_models, count)}:
+                self._pass_model(size)
+        except (ValueError, TypeError, NotImplementedError) as error:
+            logging.info(
+                "Array '%s' trains in one pass: an array of %d of its models "
+                "cannot be built for passes (%s).", self.name, count, error)
+            return self.num_models
+        return count
+
+    def _loops_passes(self):
+        """Whether the step runs its passes of equal size as a loop
+        (`passes.looped_passes`): where it is compiled with XLA, which then
+        compiles one pass instead of each. Not for arrays of several
+        outputs: a loop's passes share one compiled loss, so they cannot
+        update each model's own per-output loss trackers."""
+        return bool((self.jit_compile is True or self._replica_jit_compile)
+                    and len(keras.tree.flatten(self.outputs)) == 1)

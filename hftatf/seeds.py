@@ -24,7 +24,10 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.ops import random_ops_util
+
+from hftatf.core import compat
+
+random_ops_util = compat.tensorflow_random_ops_util()
 
 # The TensorFlow function that turns a `[2]` seed into a key and counter for
 # its stateless random ops, the `alg` it hashes for (the default,

@@ -10,7 +10,7 @@ import tensorflow as tf
 from testing import assert_close
 
 import hftatf
-from hftatf.model import _finite_per_model
+from hftatf.training.divergence import finite_per_model as _finite_per_model
 
 B = 3
 

@@ -10,11 +10,6 @@ import hftatf
 from hftatf import callbacks
 from hftatf.core import logs
 
-try:
-    from hftatf.model import _check_callbacks
-except ImportError:  # moved with the training modules
-    _check_callbacks = logs.check_stock_callbacks
-
 B = 3
 
 
@@ -91,10 +86,6 @@ def test_a_stock_callback_on_the_mean_trains_as_stock_keras_says():
     assert len(history.epoch) == 2
 
 
-@pytest.mark.xfail(
-    _check_callbacks is not logs.check_stock_callbacks, strict=True,
-    reason="FusedModel.fit checks callbacks with hftatf.model's own table "
-           "until it calls hftatf.core.logs.check_stock_callbacks")
 @pytest.mark.parametrize("stock, alternative, monitor", MONITORING)
 def test_fit_refuses_stock_callbacks_that_monitor_the_mean(
         stock, alternative, monitor, tmp_path):

@@ -1,0 +1,247 @@
+"""Which models of an array still train, and what stops one.
+
+A model is frozen when a callback stops it or when it diverges: its loss
+or gradients turn non-finite. A frozen model keeps its weights, optimizer
+state and moving statistics; the others train on, untouched by it.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from hftatf import sparse
+from hftatf.core import compat
+from hftatf.layers.base import broadcast_to_models
+
+
+class ModelStatus(keras.metrics.Metric):
+    """Which models of an array still train.
+
+    `active[b]` is 1 while model `b` is updated; 0 once it is frozen (it
+    diverged, or a callback stopped it). `diverged[b]` is 1 once model `b`
+    produced a non-finite loss or gradient. Saved with the array's weights
+    (so a resumed run keeps them), and never reset between epochs.
+    """
+
+    def __init__(self, num_models, name="model_status", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.num_models = num_models
+        self.active = self.add_variable(
+            (num_models,), "ones", name="active",
+            aggregation="only_first_replica")
+        self.diverged = self.add_variable(
+            (num_models,), "zeros", name="diverged",
+            aggregation="only_first_replica")
+        self.diverged_at = self.add_variable(
+            (num_models,), "zeros", name="diverged_at",
+            aggregation="only_first_replica")
+
+    def update_state(self, diverging, step):
+        """Freezes the `diverging` models (`[B]` booleans) at `step`."""
+        diverging = ops.cast(diverging, self.dtype)
+        self.diverged_at.assign(ops.where(
+            diverging > 0, ops.cast(step, self.dtype), self.diverged_at))
+        self.diverged.assign(ops.maximum(self.diverged, diverging))
+        self.active.assign(self.active * (1.0 - diverging))
+
+    def reset_state(self):
+        # Epoch boundaries must not revive frozen models.
+        pass
+
+    def result(self):
+        return self.active
+
+    def get_config(self):
+        return {**super().get_config(), "num_models": self.num_models}
+
+
+class DivergenceReport(keras.callbacks.Callback):
+    """Logs each model of the array that diverged, once."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._report()
+
+    def on_train_end(self, logs=None):
+        self._report()
+
+    def _report(self):
+        model = self.model
+        steps = ops.convert_to_numpy(model._status.diverged_at)
+        for index in np.flatnonzero(model.diverged_models):
+            if index not in model._reported_divergence:
+                model._reported_divergence.add(int(index))
+                if all(np.all(np.isfinite(w))
+                       for w in model.get_model_weights(index)):
+                    how = (" (non-finite loss or gradient). It is frozen "
+                           "with its last finite weights")
+                else:
+                    # Only the losses and gradients are checked each step:
+                    # an update that turned finite ones into non-finite
+                    # weights shows at the next step's loss.
+                    how = (": its weights are not finite, though its loss "
+                           "and gradients were until then, so its "
+                           "optimizer's update made them so (a "
+                           "hyper-parameter out of range?). It is frozen "
+                           "as it is")
+                logging.warning(
+                    "Model %d of array '%s' diverged at step %d%s and its "
+                    "loss is logged as NaN; the other models train on.",
+                    index, model.name, int(steps[index]), how)
+
+
+def finite_per_model(tensors, num_models):
+    """`[B]` booleans: whether model `b`'s slice of every tensor is finite.
+
+    Tested first by one sum per tensor and model, which reads each tensor
+    once and stores nothing of its size: a non-finite element makes its
+    model's sum non-finite. Only where some sum is not finite (a diverging
+    model, or finite values whose sum overflows) does the element-wise
+    test run."""
+    tensors = [t for t in tensors if t is not None]
+    total = ops.zeros((num_models,), "float32")
+    for tensor in tensors:
+        total = total + ops.cast(sparse.reduce_per_model(
+            tensor, num_models, lambda rows: ops.sum(rows, axis=1),
+            tf.math.unsorted_segment_sum), "float32")
+    return ops.cond(ops.all(ops.isfinite(total)),
+                    lambda: ops.ones((num_models,), "bool"),
+                    lambda: _finite_elements_per_model(tensors, num_models))
+
+
+def _finite_elements_per_model(tensors, num_models):
+    """`finite_per_model`, element by element."""
+    finite = ops.ones((num_models,), "bool")
+    for tensor in tensors:
+        finite = ops.logical_and(
+            finite, sparse.finite_per_model(tensor, num_models))
+    return finite
+
+
+class _StoreWithout:
+    """A variable store seen without the given keys (those an override of
+    `load_own_variables` reads itself)."""
+
+    def __init__(self, store, keys):
+        self._store = store
+        self._keys = set(keys)
+
+    def keys(self):
+        return [key for key in self._store.keys() if key not in self._keys]
+
+    def __getitem__(self, key):
+        return self._store[key]
+
+
+class Divergence:
+    """Mixin of `FusedModel`: which models train, and the step's update of
+    those that may.
+
+    Reads `num_models`, `optimizer` and `_status` (a `ModelStatus`, saved
+    with the array's own variables).
+    """
+
+    def _status_variables(self):
+        """`(key, variable)` for each variable of which models still train:
+        saved with the array's own variables (Keras saves no metric's)."""
+        return [(f"model_status_{variable.name}", variable)
+                for variable in self._status.variables]
+
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        for key, variable in self._status_variables():
+            store[key] = variable
+
+    def load_own_variables(self, store):
+        status = dict(self._status_variables())
+        keys = list(store.keys())
+        super().load_own_variables(_StoreWithout(store, status))
+        # A file written before the status was saved leaves it as it is.
+        for key, variable in status.items():
+            if key in keys:
+                variable.assign(store[key])
+
+    @property
+    def active_models(self):
+        """`[B]` booleans: the models still being trained."""
+        return ops.convert_to_numpy(self._status.active) > 0
+
+    @property
+    def diverged_models(self):
+        """`[B]` booleans: the models frozen because they diverged (a
+        non-finite loss or gradient)."""
+        return ops.convert_to_numpy(self._status.diverged) > 0
+
+    def model_state(self):
+        """A snapshot of the per-model state the forward pass updates
+        (moving statistics), for `apply_model_gradients` to give frozen and
+        diverging models theirs back. Take it before the forward pass."""
+        # Not the seed generators' states (shape [2], B's shape when B is
+        # 2): random streams go on for frozen models too.
+        seeds = {id(g.state) for layer in compat.flatten_layers(self)
+                 for g in compat.seed_generators(layer)}
+        variables = [v for v in self.non_trainable_variables
+                     if len(v.shape) and v.shape[0] == self.num_models
+                     and id(v) not in seeds]
+        variables += self._weights_assigned_in_training()
+        return variables, [ops.copy(v) for v in variables]
+
+    def apply_model_gradients(self, updates, losses, state=None):
+        """Applies one training step to the models that may take it.
+
+        The step every `train_step` ends with, custom ones included (a
+        GAN's applies two optimizers): a model is updated only while it is
+        active (not frozen, not diverged) and its losses and gradients are
+        finite; a model whose loss or gradient turns non-finite is frozen
+        with its last finite weights (its moving statistics too, given the
+        `state` from `model_state()`), and logged once. Under loss-scaling
+        optimizers (`skips_nonfinite_steps`), which skip a model's
+        non-finite step and halve its scale themselves as stock Keras does,
+        a model is frozen only once its loss scale is below 1
+        (`rescales_models()`).
+
+        Args:
+            updates: `(optimizer, gradients, variables)` triples, each a
+                fused optimizer and the `[B, ...]` gradients of its
+                variables.
+            losses: the `[B]` per-model losses (a tuple of them for several
+                objectives).
+            state: the `model_state()` taken before the forward pass.
+
+        Returns:
+            The `[B]` booleans of the models that took the step.
+        """
+        checked = list(keras.tree.flatten(losses))
+        scaling = [optimizer for optimizer, _, _ in updates
+                   if getattr(optimizer, "skips_nonfinite_steps", False)]
+        for optimizer, gradients, _ in updates:
+            # A loss-scaling optimizer skips non-finite gradients itself,
+            # per model: they are no sign of divergence there.
+            if optimizer not in scaling:
+                checked.extend(gradients)
+        finite = finite_per_model(checked, self.num_models)
+        if updates and len(scaling) == len(updates):
+            # Under loss scaling alone a non-finite loss is a float16
+            # overflow too, which the optimizers skip and rescale as stock
+            # Keras does; a model diverged where a scale fell below 1.
+            rescaled = scaling[0].rescales_models()
+            for optimizer in scaling[1:]:
+                rescaled = ops.logical_and(rescaled,
+                                           optimizer.rescales_models())
+            finite = ops.logical_or(finite, rescaled)
+        active = self._status.active > 0
+        training = ops.logical_and(active, finite)
+        for optimizer, gradients, variables in updates:
+            if variables:
+                optimizer.apply(gradients, variables, model_mask=training)
+        if state is not None:
+            for variable, before in zip(*state):
+                variable.assign(ops.where(
+                    broadcast_to_models(training, len(variable.shape)),
+                    variable, before))
+        self._status.update_state(
+            ops.logical_and(active, ops.logical_not(finite)),
+            self.optimizer.iterations)
+        return training

@@ -1,0 +1,425 @@
+"""The training step of an array on the TensorFlow backend.
+
+`FusedModel` mixes in one backend trainer, chosen once by
+`keras.backend.backend()` (`hftatf.training.trainer`), as `keras.Model`
+mixes in `keras/src/backend/<backend>/trainer.py`. The rest of the array
+(label routing, per-model losses and metrics, divergence, surgery) is
+written in `keras.ops` and serves every backend.
+
+A backend trainer provides:
+
+* `make_train_function(force=False)` and `train_step(data)`,
+  `test_step(data)`: Keras's, for an array. Here they are stateful, under
+  a `tf.GradientTape`, traced by `tf.function` (with XLA where compiled)
+  inside the strategy's replicas. A JAX trainer's steps are stateless,
+  `train_step(state, data) -> (logs, state)` over Keras's four state lists
+  `(trainable_variables, non_trainable_variables, optimizer_variables,
+  metrics_variables)`, as `keras/src/backend/jax/trainer.py`: it runs
+  `stateless_call`, the per-model losses, then `apply_model_gradients`
+  and the metric tracking inside `keras.StatelessScope`s.
+* `_forward_and_gradients(x, y, sample_weight) -> (y_pred, losses,
+  gradients)`: the predictions, the `[B]` per-model losses and the
+  gradients of their (scaled) sum, in passes of `models_per_pass` models
+  where the array trains so (`hftatf.passes`; here the passes of equal
+  size run as one `tf.while_loop` under XLA).
+* the step ends with `apply_model_gradients` (`hftatf.training.divergence`,
+  backend-independent), which applies the fused optimizer to the models
+  that may take the step.
+* `_unstack_models(tensor, count)`: each model's slice of an output, as
+  cheaply as the backend allows.
+* `_pass_model(count)`: the array of `count` models a pass runs, and the
+  role of each variable (`passes.variable_roles`).
+* `_uses_replica_jit(jit_compile, run_eagerly)`: whether each replica's
+  forward and backward pass is compiled on its own (see `compile`).
+
+Sparse gradients (`tf.IndexedSlices` of embeddings, `hftatf.sparse`) are
+TensorFlow's; a JAX trainer has dense ones only.
+"""
+
+import logging
+import warnings
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+from hftatf import passes, seeds, sparse
+from hftatf.core import compat
+from hftatf.core.compat import (
+    get_keras_mask,
+    model_supports_jit,
+    set_keras_mask,
+)
+from hftatf.layers.base import keep_logits, mask_has_model_axis, model_pieces
+
+
+def _with_output_attributes(forward):
+    """`forward` (returning `(y_pred, ...)`), returning the masks and the
+    logits Keras keeps on the outputs as results of their own: a
+    `tf.function` returns tensors without them."""
+    def function(*args):
+        y_pred, *rest = forward(*args)
+        flat = keras.tree.flatten(y_pred)
+        return (y_pred, [get_keras_mask(t) for t in flat],
+                [getattr(t, "_keras_logits", None) for t in flat], *rest)
+    return function
+
+
+def _restore_output_attributes(y_pred, masks, logits, *rest):
+    """The results of a `_with_output_attributes` function, with the
+    outputs' masks and logits attached again."""
+    for tensor, mask, logit in zip(keras.tree.flatten(y_pred), masks,
+                                   logits):
+        if mask is not None:
+            set_keras_mask(tensor, mask)
+        if logit is not None:
+            keep_logits(tensor, logit)
+    return (y_pred, *rest)
+
+
+def _transposed_by(tensor, order):
+    """Whether `tensor` is, in a traced graph, the output of a transpose
+    by `order`."""
+    op = None if tf.executing_eagerly() else getattr(tensor, "op", None)
+    if op is None or op.type != "Transpose":
+        return False
+    perm = tf.get_static_value(op.inputs[1])
+    return perm is not None and tuple(perm.tolist()) == order
+
+
+def unstack_models(tensor, num_models):
+    """`[tensor[:, b] for b in range(num_models)]`, without copies where
+    they can be avoided.
+
+    One model's slice is a reshape (no copy, nor in its gradient). Several
+    are one `unstack` (whose gradient is one `stack`: B separate slices
+    would cost B gradients of the size of the whole tensor). Where the
+    tensor was just transposed from models first (the last product of the
+    array, `dense.per_model_matmul`), it is transposed back and unstacked
+    on its first axis: TensorFlow's optimizers cancel the two transposes,
+    and an unstack of the first axis shares its input's memory. Where
+    it was stacked from per-model results (`model_pieces`), they are the
+    slices."""
+    swap = (1, 0, *range(2, len(tensor.shape)))
+    if num_models > 1 and _transposed_by(tensor, swap):
+        return ops.unstack(ops.transpose(tensor, swap), num_models, axis=0)
+    return model_pieces(tensor, num_models, 1)
+
+
+def _joined_sparse(first, arrays, count, num_models):
+    """The sparse gradient of `num_models` models, from the joined values
+    and indices next in `arrays` (`first`: the first pass's, of `count`
+    models)."""
+    values, indices = next(arrays), next(arrays)
+    rows = first.dense_shape[0] // count
+    return tf.IndexedSlices(values, indices, tf.concat(
+        [[rows * num_models], first.dense_shape[1:]], 0))
+
+
+def _sum_gradients(parts):
+    """The gradient of a variable every model shares: the sum of the
+    passes' (None if none has one)."""
+    parts = [tf.convert_to_tensor(g) for g in parts if g is not None]
+    return ops.sum(ops.stack(parts), axis=0) if parts else None
+
+
+def _pass_values(values, roles, start, count):
+    """Values for the pass of models `start:start + count`: the slices of
+    those that carry the model axis, the others whole."""
+    return [passes.take_models(value, start, count) if sliced else value
+            for value, sliced in zip(values, roles)]
+
+
+class TensorFlowTrainer:
+    """Mixin of `FusedModel`: its steps on the TensorFlow backend (see the
+    module docstring for what a backend trainer provides)."""
+
+    def make_train_function(self, force=False):
+        """As Keras's, but the step (this class's `train_step`, or a
+        subclass's) is traced with its random draws taking their keys
+        straight from their seeds (`hftatf.seeds`)."""
+        if self.train_function is not None and not force:
+            return self.train_function
+        self.train_function = compat.make_step_function(
+            self, self._train_step_keyed)
+        return self.train_function
+
+    def _train_step_keyed(self, data):
+        with seeds.keys_from_seeds():
+            return self.train_step(data)
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        state = self.model_state()
+        if not self.trainable_weights:
+            warnings.warn("The array does not have any trainable weights.",
+                          stacklevel=2)
+        y_pred, losses, gradients = self._replica_forward(x, y, sample_weight)
+        self.apply_model_gradients(
+            [(self.optimizer, gradients, self.trainable_weights)], losses,
+            state=state)
+        return self._track(x, y, y_pred, sample_weight, losses, training=True)
+
+    def test_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self(x, training=False)
+        losses = self.compute_model_losses(
+            x, y, y_pred, sample_weight, training=False)
+        return self._track(x, y, y_pred, sample_weight, losses)
+
+    @staticmethod
+    def _unstack_models(tensor, num_models):
+        return unstack_models(tensor, num_models)
+
+    def _uses_replica_jit(self, jit_compile, run_eagerly):
+        """Whether each replica's forward and backward pass is compiled
+        with XLA on its own: under a strategy, where Keras compiles no
+        step, but for TPUs (whose replica step is compiled anyway)."""
+        strategy = compat.distribute_strategy(self)
+        return bool(
+            strategy is not None and jit_compile in ("auto", True)
+            and not run_eagerly
+            and not isinstance(strategy, tf.distribute.TPUStrategy)
+            and model_supports_jit(self))
+
+    def _replica_forward(self, x, y, sample_weight):
+        """`_forward_and_gradients`, compiled with XLA under a strategy
+        where Keras compiles no step (see `compile`), unless the pass
+        synchronises replicas (e.g. synchronized BatchNormalization)."""
+        if self._replica_jit_compile:
+            if self._compiled_forward is None:
+                self._compiled_forward = tf.function(
+                    _with_output_attributes(self._forward_and_gradients),
+                    jit_compile=True, reduce_retracing=True)
+            try:
+                return _restore_output_attributes(
+                    *self._compiled_forward(x, y, sample_weight))
+            except RuntimeError as error:
+                if "merge_call" not in str(error):
+                    raise
+                logging.info(
+                    "Array '%s' synchronises replicas in its forward pass; "
+                    "its replica steps run without XLA.", self.name)
+                self._replica_jit_compile = False
+                self._compiled_forward = None
+        return self._forward_and_gradients(x, y, sample_weight)
+
+    def _forward_and_gradients(self, x, y, sample_weight):
+        """Predictions, `[B]` losses and the gradients of their (scaled)
+        sum with respect to the trainable weights."""
+        per_pass = self._models_per_pass_for(x)
+        if per_pass < self.num_models:
+            return self._forward_and_gradients_in_passes(
+                x, y, sample_weight, per_pass)
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            losses = self.compute_model_losses(
+                x, y, y_pred, sample_weight, training=True)
+            loss = self.optimizer.scale_model_losses(losses)
+        gradients = []
+        if self.trainable_weights:
+            gradients = tape.gradient(loss, self.trainable_weights)
+        return y_pred, losses, gradients
+
+    def _pass_model(self, count):
+        """The array of `count` models whose layers run a pass, and the
+        role of each variable (`passes.variable_roles`)."""
+        if count not in self._pass_models.models:
+            # Built outside the traced step: it creates variables.
+            with tf.init_scope():
+                self._pass_models.models[count] = self._rebuilt(count)
+        model = self._pass_models.models[count]
+        for layer, twin in zip(
+                compat.flatten_layers(self, include_self=False),
+                compat.flatten_layers(model, include_self=False)):
+            twin.trainable = layer.trainable
+        roles = (passes.variable_roles(self.trainable_variables,
+                                       model.trainable_variables, count),
+                 passes.variable_roles(self.non_trainable_variables,
+                                       model.non_trainable_variables, count))
+        return model, roles
+
+    def _forward_and_gradients_in_passes(self, x, y, sample_weight,
+                                         per_pass):
+        """`_forward_and_gradients`, computed `per_pass` models at a time,
+        one pass after the other (see `hftatf.passes`).
+
+        Where three or more passes have `per_pass` models, the first is
+        traced on its own and the others run as one `tf.while_loop` over a
+        pass traced once (`passes.looped_passes`), so that the step's graph,
+        and its compile time, do not grow with the number of passes."""
+        B = self.num_models
+        trainable = self.trainable_variables
+        states = self.non_trainable_variables
+        # Read once; each pass takes its slices.
+        values = [v.value for v in trainable]
+        carried = [v.value for v in states]
+        spans = passes.bounds(B, per_pass)
+        _, (trainable_roles, state_roles) = self._pass_model(per_pass)
+        looped = passes.looped_passes(spans) if self._loops_passes() else 0
+        parts = []  # (start, predictions, losses, gradients, sliced state)
+        previous = []
+        if looped:
+            first, carried = self._one_pass(0, per_pass, x, y, sample_weight,
+                                            values, carried)
+            part, carried = self._looped_passes(
+                looped, per_pass, first, x, y, sample_weight, values,
+                carried)
+            parts.append(part)
+            previous = passes.pass_outputs(part)
+        for start, stop in spans[looped:]:
+            part, carried = self._one_pass(
+                start, stop - start, x, y, sample_weight, values, carried,
+                previous)
+            parts.append(part)
+            # The next pass starts when this one is done, so that one
+            # pass's activations are live at a time.
+            previous = passes.pass_outputs(part)
+        starts, preds, losses, gradients, updates = zip(*parts)
+        for number, (variable, value) in enumerate(zip(states, carried)):
+            sliced = [u[number] for u in updates]
+            variable.assign(ops.concatenate(sliced, axis=0)
+                            if state_roles[number] else value)
+        gradients = [
+            passes.concat_gradients(list(g), starts, variable.shape)
+            if sliced else _sum_gradients(g)
+            for variable, sliced, g in zip(trainable, trainable_roles,
+                                           zip(*gradients))]
+        y_pred = keras.tree.map_structure(
+            lambda *p: passes.concat_models(list(p)), *preds)
+        return y_pred, ops.concatenate(losses, axis=0), gradients
+
+    def _one_pass(self, start, count, x, y, sample_weight, values, carried,
+                  previous=()):
+        """Forward and backward pass of the models `start:start + count`
+        (`start` a Python int, or a tensor inside a loop over passes).
+
+        Returns `(start, predictions, losses, gradients, sliced_state)`,
+        where `gradients` holds a `[count, ...]` gradient for each weight
+        with the model axis and the whole gradient for the others, and
+        `sliced_state` the updated slices of the per-model state (the
+        others' entries None); and `carried`, the state with the
+        pass's updates of the state without a model axis."""
+        model, (trainable_roles, state_roles) = self._pass_model(count)
+        with tf.control_dependencies(previous):
+            inputs = [tf.identity(t) if shared else
+                      passes.take_models(t, start, count, axis=1)
+                      for t, shared in zip(keras.tree.flatten(x),
+                                           self._shared_inputs)]
+        inputs = keras.tree.pack_sequence_as(x, inputs)
+        weights = _pass_values(values, trainable_roles, start, count)
+        state = _pass_values(carried, state_roles, start, count)
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            y_pred, state, added = model.stateless_call(
+                weights, state, inputs, training=True, return_losses=True)
+            losses = self._losses_of_models(
+                [start + k for k in range(count)], y, y_pred, sample_weight,
+                added, training=True)
+            loss = self.optimizer.scale_model_losses(
+                passes.spread_losses(losses, start, self.num_models))
+        gradients = tape.gradient(loss, weights) if weights else []
+        sliced = [value if role else None
+                  for value, role in zip(state, state_roles)]
+        carried = [old if role else new for old, new, role in zip(
+            carried, state, state_roles)]
+        return (start, y_pred, losses, gradients, sliced), carried
+
+    def _looped_passes(self, num_passes, count, first, x, y,
+                       sample_weight, values, carried):
+        """The first `num_passes` passes of `count` models each, joined
+        into one part as `_one_pass` returns it: `first` (the first pass,
+        traced before) and a `tf.while_loop` over the others, one at a time
+        (`parallel_iterations` of 1). `first` gives the dtypes and shapes
+        that every pass writes at its index of a `tf.TensorArray`: its
+        predictions (models first, with their logits where Keras keeps
+        them), losses, per-model gradients (dense, or the values and
+        indices of sparse ones) and per-model state."""
+        _, first_preds, _, first_gradients, first_state = first
+        _, (trainable_roles, state_roles) = self._pass_model(count)
+        logits = [getattr(t, "_keras_logits", None) is not None
+                  for t in keras.tree.flatten(first_preds)]
+        # Each output's mask: per model (written by every pass), shared by
+        # the models (the first pass's), or none.
+        first_masks = [get_keras_mask(t)
+                       for t in keras.tree.flatten(first_preds)]
+        masked = [m is not None and mask_has_model_axis(t, m)
+                  for m, t in zip(first_masks,
+                                  keras.tree.flatten(first_preds))]
+
+        def written(part):
+            """What a pass writes, and its gradients of the weights all
+            models share (summed over the passes)."""
+            start, preds, losses, gradients, sliced = part
+            flat = keras.tree.flatten(preds)
+            per_model = []
+            for g, role in zip(gradients, trainable_roles):
+                if role and sparse.is_sparse(g):
+                    per_model += [g.values, sparse.offset(g, start, count)]
+                elif role and g is not None:
+                    per_model.append(g)
+            gradients = [(g if g is None else tf.convert_to_tensor(g), role)
+                         for g, role in zip(gradients, trainable_roles)]
+            shared = [g for g, role in gradients
+                      if not role and g is not None]
+            return ([passes.models_first(t) for t in flat]
+                    + [passes.models_first(t._keras_logits)
+                       for t, has in zip(flat, logits) if has]
+                    + [passes.models_first(get_keras_mask(t))
+                       for t, has in zip(flat, masked) if has]
+                    + [losses] + per_model
+                    + [s for s in sliced if s is not None]), shared
+
+        def shared_of(state):
+            """The entries of `state` without a model axis: the loop
+            carries them from pass to pass."""
+            return [c for c, role in zip(state, state_roles) if not role]
+
+        def with_shared(state, shared):
+            """`state` with its entries without a model axis replaced."""
+            shared = iter(shared)
+            return [value if role else next(shared)
+                    for value, role in zip(state, state_roles)]
+
+        outputs, sums = written(first)
+        arrays = [passes.stacked(t, num_passes).write(0, t)
+                  for t in outputs]
+
+        def body(i, arrays, sums, shared_state):
+            part, now = self._one_pass(
+                i * count, count, x, y, sample_weight, values,
+                with_shared(carried, shared_state))
+            outputs, added = written(part)
+            arrays = [a.write(i, t) for a, t in zip(arrays, outputs)]
+            sums = [s + a for s, a in zip(sums, added)]
+            return i + 1, arrays, sums, shared_of(now)
+
+        # Starts when the first pass is done.
+        with tf.control_dependencies(passes.pass_outputs(first)):
+            start = tf.identity(tf.constant(1, "int32"))
+        _, arrays, sums, shared_state = tf.while_loop(
+            lambda i, *_: i < num_passes, body,
+            (start, arrays, sums, shared_of(carried)), parallel_iterations=1,
+            maximum_iterations=num_passes - 1)
+        arrays = iter([passes.joined(a) for a in arrays])
+        flat = [passes.batch_first(next(arrays))
+                for _ in logits]  # one entry per output
+        for t, has in zip(flat, logits):
+            if has:
+                keep_logits(t, passes.batch_first(next(arrays)))
+        for t, has, mask in zip(flat, masked, first_masks):
+            if has:
+                set_keras_mask(t, passes.batch_first(next(arrays)))
+            elif mask is not None:
+                set_keras_mask(t, mask)
+        losses = next(arrays)
+        sums = iter(sums)
+        gradients = [None if g is None else _joined_sparse(
+                         g, arrays, count, num_passes * count)
+                     if role and sparse.is_sparse(g) else next(arrays)
+                     if role else next(sums)
+                     for g, role in zip(first_gradients, trainable_roles)]
+        sliced = [None if s is None else next(arrays) for s in first_state]
+        carried = with_shared(carried, shared_state)
+        preds = keras.tree.pack_sequence_as(first_preds, flat)
+        return (0, preds, losses, gradients, sliced), carried
