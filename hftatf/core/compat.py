@@ -143,147 +143,6 @@ def set_weight_decay_exclusions(optimizer, keys=None, pattern=None):
     if keys is not None:
         optimizer._exclude_from_weight_decay = set(keys)
     if pattern is not None:
-# -- conversion and export --
-#
-# hftatf.graph, .fuse, .rewrite, .export, .serving, .backup, .callbacks,
-# .tuning and the model zoo.
-# Checked on Keras 3.15 and TensorFlow 2.21.
-
-from keras.src.backend.common import global_state  # noqa: E402
-# -- training --
-# What `FusedModel` (hftatf.model, hftatf.training) and its passes and seeds
-# take from Keras's and TensorFlow's private API, one line each saying which
-# public API is missing (checked on Keras 3.15.1, TensorFlow 2.21).
-
-import keras  # noqa: E402
-from keras.src.backend import (  # noqa: E402,F401
-    # No public symbolic run of a function (`keras.ops` has it per op).
-    compute_output_spec,
-    # No public read or write of a tensor's Keras mask (`_keras_mask`).
-    get_keras_mask,
-    set_keras_mask,
-)
-
-# No public division of a loss by the number of replicas (Keras's own
-# losses do it inside `Loss.__call__`).
-from keras.src.losses.loss import (  # noqa: E402,F401
-    scale_loss_for_distribution,
-    unscale_loss_for_distribution,
-)
-from keras.src.models.functional import Functional  # noqa: E402,F401
-from keras.src.random import seed_generator  # noqa: E402
-from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402,F401
-from keras.src.utils.io_utils import print_msg  # noqa: E402,F401
-
-# `Functional` is the class of functional models, whose methods an
-# overriding subclass replaces (no public name). `print_msg` prints as
-# Keras' own callbacks do (to absl logging where Keras is told to). The
-# data adapter reads the first batch of anything `fit` takes. The loss
-# scaling for distribution is what Keras losses apply under a strategy
-# (the zoo's GAN steps compute their losses themselves).
-
-
-def is_functional_graph(model):
-    """Whether `model` records its graph as a functional model does (no
-    public test: a subclassed model has no nodes)."""
-    return hasattr(model, "_nodes_by_depth")
-
-
-def nodes_by_depth(model):
-    """`{depth: [node]}` of a functional model (no public graph API)."""
-    return model._nodes_by_depth
-
-
-def keras_history(tensor):
-    """The `(operation, node_index, tensor_index)` that made a symbolic
-    tensor (no public accessor)."""
-    return tensor._keras_history
-
-
-def run_through_graph(model, inputs, call_fn):
-    """Runs a functional model's graph on `inputs`, calling
-    `call_fn(operation, *args, **kwargs)` for each operation (no public
-    graph traversal)."""
-    return model._run_through_graph(inputs, operation_fn=lambda op: op,
-                                    call_fn=call_fn)
-
-
-def flatten_layers(layer, include_self=True):
-    """Every layer inside `layer`, nested ones included (no public
-    recursive listing)."""
-
-# No public class for what `Model.compile` builds from loss and metric
-# arguments (names, nested outputs, loss weights, "accuracy").
-from keras.src.trainers.compile_utils import (  # noqa: E402,F401
-    CompileLoss,
-    CompileMetrics,
-)
-
-# No public test of whether every layer supports XLA (`jit_compile="auto"`).
-from keras.src.trainers.trainer import model_supports_jit  # noqa: E402,F401
-
-# No public way to keep attributes set in `compile` out of tracking.
-from keras.src.utils.tracking import (  # noqa: E402,F401
-    no_automatic_dependency_tracking,
-)
-
-# Private methods of `keras.Model` that `FusedModel` overrides, for want of
-# a public hook (tests/test_model.py checks that Keras still has them):
-TRAINER_OVERRIDES = (
-    # builds the per-model losses and metrics before a strategy traces.
-    "_symbolic_build",
-    # decides `jit_compile="auto"`.
-    "_resolve_auto_jit_compile",
-    # the order of `evaluate`'s list of results.
-    "_flatten_metrics_in_order",
-)
-
-
-def flatten_layers(layer, include_self=True):
-    """`layer` and every layer inside it, depth first: no public API lists
-    the layers nested in layers (`Layer._flatten_layers`)."""
-    return layer._flatten_layers(include_self=include_self)
-
-
-def compile_config(model):
-    """The arguments `model.compile` was called with ({} if it was not;
-    `get_compile_config` returns them serialized)."""
-    return model._compile_config.config if model.compiled else {}
-
-
-def metric_direction(metric):
-    """`"up"` or `"down"`: whether `metric` improves by growing, as Keras'
-    callbacks read it in mode "auto"; None where it does not say."""
-    return getattr(metric, "_direction", None)
-
-
-def set_initial_epoch(model, epoch):
-    """Makes `fit` start at `epoch`, as `keras.callbacks.BackupAndRestore`
-    does on resuming (no public setter)."""
-    model._initial_epoch = epoch
-
-
-def seed_generators(layer):
-    """The seed generators of `layer` itself (not of layers inside it)."""
-    return getattr(layer, "_seed_generators", ())
-
-
-def global_seed_generator(create=True):
-    """The generator unseeded random ops draw from; None if none was made
-    and not `create` (no public accessor)."""
-    if create:
-        return seed_generator.global_seed_generator()
-    return global_state.get_global_attribute(
-        seed_generator.GLOBAL_SEED_GENERATOR)
-
-
-def exclude_from_weight_decay_like(optimizer, source):
-    """Gives `optimizer` the weight-decay exclusions of `source` (the
-    variable names; `exclude_from_weight_decay` takes variables or names,
-    but no getter returns them)."""
-    pattern = getattr(source, "_exclude_from_weight_decay_pattern", None)
-    if pattern is not None:
-        optimizer._exclude_from_weight_decay = set()
         optimizer._exclude_from_weight_decay_pattern = pattern
         optimizer._exclude_from_weight_decay_cache = {}
 
@@ -344,6 +203,105 @@ def compiled_by_xla():
 
     return control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph())
+
+# -- conversion and export --
+#
+# hftatf.graph, .fuse, .rewrite, .export, .serving, .backup, .callbacks,
+# .tuning and the model zoo.
+# Checked on Keras 3.15 and TensorFlow 2.21.
+
+from keras.src.backend.common import global_state  # noqa: E402
+from keras.src.losses.loss import (  # noqa: E402,F401
+    scale_loss_for_distribution,
+    unscale_loss_for_distribution,
+)
+from keras.src.models.functional import Functional  # noqa: E402,F401
+from keras.src.random import seed_generator  # noqa: E402
+from keras.src.trainers.data_adapters import get_data_adapter  # noqa: E402,F401
+from keras.src.utils.io_utils import print_msg  # noqa: E402,F401
+
+# `Functional` is the class of functional models, whose methods an
+# overriding subclass replaces (no public name). `print_msg` prints as
+# Keras' own callbacks do (to absl logging where Keras is told to). The
+# data adapter reads the first batch of anything `fit` takes. The loss
+# scaling for distribution is what Keras losses apply under a strategy
+# (the zoo's GAN steps compute their losses themselves).
+
+
+def is_functional_graph(model):
+    """Whether `model` records its graph as a functional model does (no
+    public test: a subclassed model has no nodes)."""
+    return hasattr(model, "_nodes_by_depth")
+
+
+def nodes_by_depth(model):
+    """`{depth: [node]}` of a functional model (no public graph API)."""
+    return model._nodes_by_depth
+
+
+def keras_history(tensor):
+    """The `(operation, node_index, tensor_index)` that made a symbolic
+    tensor (no public accessor)."""
+    return tensor._keras_history
+
+
+def run_through_graph(model, inputs, call_fn):
+    """Runs a functional model's graph on `inputs`, calling
+    `call_fn(operation, *args, **kwargs)` for each operation (no public
+    graph traversal)."""
+    return model._run_through_graph(inputs, operation_fn=lambda op: op,
+                                    call_fn=call_fn)
+
+
+def flatten_layers(layer, include_self=True):
+    """Every layer inside `layer`, nested ones included (no public
+    recursive listing)."""
+    return layer._flatten_layers(include_self=include_self)
+
+
+def compile_config(model):
+    """The arguments `model.compile` was called with ({} if it was not;
+    `get_compile_config` returns them serialized)."""
+    return model._compile_config.config if model.compiled else {}
+
+
+def metric_direction(metric):
+    """`"up"` or `"down"`: whether `metric` improves by growing, as Keras'
+    callbacks read it in mode "auto"; None where it does not say."""
+    return getattr(metric, "_direction", None)
+
+
+def set_initial_epoch(model, epoch):
+    """Makes `fit` start at `epoch`, as `keras.callbacks.BackupAndRestore`
+    does on resuming (no public setter)."""
+    model._initial_epoch = epoch
+
+
+def seed_generators(layer):
+    """The seed generators of `layer` itself (not of layers inside it)."""
+    return getattr(layer, "_seed_generators", ())
+
+
+def global_seed_generator(create=True):
+    """The generator unseeded random ops draw from; None if none was made
+    and not `create` (no public accessor)."""
+    if create:
+        return seed_generator.global_seed_generator()
+    return global_state.get_global_attribute(
+        seed_generator.GLOBAL_SEED_GENERATOR)
+
+
+def exclude_from_weight_decay_like(optimizer, source):
+    """Gives `optimizer` the weight-decay exclusions of `source` (the
+    variable names; `exclude_from_weight_decay` takes variables or names,
+    but no getter returns them)."""
+    pattern = getattr(source, "_exclude_from_weight_decay_pattern", None)
+    if pattern is not None:
+        optimizer._exclude_from_weight_decay = set()
+        optimizer._exclude_from_weight_decay_pattern = pattern
+        optimizer._exclude_from_weight_decay_cache = {}
+
+
 def scalar_summary_metadata():
     """The metadata of TensorBoard's scalars plugin (what `tf.summary
     .scalar` writes, which needs the tensorboard package); writing it with
@@ -355,9 +313,44 @@ def scalar_summary_metadata():
         plugin_data=summary_pb2.SummaryMetadata.PluginData(
             plugin_name="scalars"))
 
-    """The arguments of `model`'s last `compile`, as a dict to update:
-    `get_compile_config` returns a serialized copy."""
-    return model._compile_config.config
+
+# -- training --
+# What `FusedModel` (hftatf.model, hftatf.training) and its passes and seeds
+# take from Keras's and TensorFlow's private API, one line each saying which
+# public API is missing (checked on Keras 3.15.1, TensorFlow 2.21).
+
+from keras.src.backend import (  # noqa: E402,F401
+    # No public symbolic run of a function (`keras.ops` has it per op).
+    compute_output_spec,
+    # No public read or write of a tensor's Keras mask (`_keras_mask`).
+    get_keras_mask,
+    set_keras_mask,
+)
+
+# No public class for what `Model.compile` builds from loss and metric
+# arguments (names, nested outputs, loss weights, "accuracy").
+from keras.src.trainers.compile_utils import (  # noqa: E402,F401
+    CompileLoss,
+    CompileMetrics,
+)
+
+# No public test of whether every layer supports XLA (`jit_compile="auto"`).
+from keras.src.trainers.trainer import model_supports_jit  # noqa: E402,F401
+
+# Private methods of `keras.Model` that `FusedModel` overrides, for want of
+# a public hook (tests/test_model.py checks that Keras still has them):
+TRAINER_OVERRIDES = (
+    # builds the per-model losses and metrics before a strategy traces.
+    "_symbolic_build",
+    # decides `jit_compile="auto"`.
+    "_resolve_auto_jit_compile",
+    # the order of `evaluate`'s list of results.
+    "_flatten_metrics_in_order",
+)
+
+
+
+
 
 
 def distribute_strategy(model):
@@ -378,10 +371,6 @@ def inputs_structure(model):
     return model._inputs_struct
 
 
-def seed_generators(layer):
-    """The `keras.random.SeedGenerator`s of `layer` itself (no public
-    listing)."""
-    return getattr(layer, "_seed_generators", ())
 
 
 def make_step_function(model, step):
