@@ -753,6 +753,8 @@ def test_stock_callbacks_keep_working_on_scalar_logs():
     # min_delta=10: no epoch improves on the first, so training stops after
     # the second.
     early = keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0)
+    # The user says it means the mean over the models.
+    early.monitors_array_mean = True
     array.fit(x, y, epochs=5, batch_size=8, verbose=0,
               callbacks=[early, history])
     assert early.stopped_epoch == 1

@@ -331,6 +331,8 @@ def test_stock_callbacks_read_scalar_logs():
     assert len(history.history["loss_2"]) == 2
     mean = keras.callbacks.EarlyStopping(
         monitor="val_accuracy", patience=0, min_delta=10.0)
+    # Acting on the mean over the models is said explicitly.
+    mean.monitors_array_mean = True
     history = array.fit(x, y, epochs=5, verbose=0, callbacks=[mean],
                         validation_data=(x, y))
     assert len(history.history["val_accuracy_0"]) == 2
@@ -343,6 +345,7 @@ def test_a_second_compile_replaces_the_first_ones_logs():
     array.compile(hftatf.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
     one_hot = np.eye(3, dtype="float32")[y]
     stop = keras.callbacks.EarlyStopping(monitor="loss", patience=5)
+    stop.monitors_array_mean = True
     history = array.fit(x, one_hot, epochs=2, verbose=0, callbacks=[stop])
     assert set(history.history) == {"loss", "mae"} | {
         f"{name}_{b}" for name in ("loss", "mae") for b in range(B)}

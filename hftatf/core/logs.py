@@ -217,7 +217,8 @@ def check_stock_callbacks(callbacks):
     other with a `monitor`, and their subclasses) would act on the array's
     log `name`, the mean over its models, not on each model: each is
     refused with the hftatf callback that acts per model, unless the user
-    sets `callback.monitors_array_mean = True` to act on the mean.
+    sets `callback.monitors_array_mean = True` to act on the mean, or
+    monitors one model's entry (`name_b`) by name.
     """
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks = callbacks.callbacks
@@ -229,8 +230,11 @@ def check_stock_callbacks(callbacks):
                     "rate; an array's optimizer holds one per model. Use "
                     f"{alternative}.")
         monitor = getattr(callback, "monitor", None)
+        # A monitor naming one model's entry (`loss_2`) is the user's
+        # explicit choice of what drives the whole array.
         if (isinstance(monitor, str) and _is_stock(callback)
                 and _acts_on_monitor(callback)
+                and base_log_name(monitor.removeprefix("val_"))[1] is None
                 and not getattr(callback, "monitors_array_mean", False)):
             raise ValueError(_monitor_refusal(callback, monitor))
 
