@@ -10,7 +10,14 @@ Train B same-architecture Keras models as one fused model:
     array.export_models("exported/")
 """
 
+# ruff: noqa: E402
 __version__ = "0.1.0"
+
+# First: a launcher's process silences TensorFlow's start-up notes, which
+# must happen before TensorFlow is imported (hftatf.core.startup).
+from hftatf.core import startup
+
+startup.quiet_launcher_start()
 
 import importlib
 
@@ -22,6 +29,8 @@ from hftatf import (
     layers,
     optimizers,
     passes,
+    progress,
+    report,
     seeds,
     sparse,
 )
@@ -49,6 +58,8 @@ __all__ = [
     "load_models",
     "optimizers",
     "passes",
+    "progress",
+    "report",
     "seeds",
     "sparse",
 ]

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 
-import hftatf
 from hftatf.core import startup
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -80,10 +79,6 @@ def test_warnings_and_errors_are_kept():
         text.splitlines(keepends=True)[2:])
 
 
-@pytest.mark.skipif(
-    "quiet_launcher_start" not in pathlib.Path(hftatf.__file__).read_text(),
-    reason="hftatf/__init__.py does not call "
-    "hftatf.core.startup.quiet_launcher_start() before its imports")
 @pytest.mark.slow
 def test_the_launcher_command_runs_quietly(tmp_path):
     env = {key: value for key, value in os.environ.items()

@@ -7,8 +7,11 @@ import keras
 import numpy as np
 from keras import ops
 
-from hftatf.core.compat import metric_direction
-from hftatf.core.logs import base_log_name, model_log_name, split_logs
+from hftatf.core.logs import (
+    model_log_name,
+    monitor_direction,
+    split_logs,
+)
 from hftatf.fuse import check_array
 
 
@@ -31,49 +34,6 @@ def per_model_arg(name, value, num_models):
             f"`{name}` must be a float or one value per model ({num_models} "
             f"values). Received: {name}={value!r}.")
     return values
-
-
-def _metric_objects(model):
-    """Every metric object of `model`, containers (CompileMetrics,
-    MetricsList, CompileLoss) opened."""
-    pending = list(getattr(model, "metrics", None) or [])
-    while pending:
-        metric = pending.pop(0)
-        inner = getattr(metric, "metrics", None)
-        if isinstance(inner, (list, tuple)) and inner:
-            pending.extend(inner)
-        yield metric
-
-
-def monitor_direction(model, monitor, num_models=None):
-    """Whether `monitor` improves `"up"` or `"down"`, as stock Keras infers
-    it in `mode="auto"`, for the base names of per-model logs too.
-
-    The `val_` prefix and a model suffix (`_b`, for `b < num_models`) are
-    ignored. `loss` (and any `*_loss`) goes down; a metric compiled into
-    `model` goes the way its `_direction` says (as in stock Keras); names
-    ending in `acc`, `accuracy` or `auc` go up (for metrics not built yet).
-
-    Raises:
-        ValueError: if the direction cannot be inferred.
-    """
-    names = [monitor.removeprefix("val_")]
-    name, index = base_log_name(names[0], num_models)
-    if index is not None:
-        names.append(name)
-    for name in names:
-        if name == "loss" or name.endswith("_loss"):
-            return "down"
-        for metric in _metric_objects(model):
-            direction = metric_direction(metric)
-            if metric.name == name and direction is not None:
-                return "up" if direction == "up" else "down"
-        if name.endswith(("acc", "accuracy", "auc")):
-            return "up"
-    raise ValueError(
-        f"Cannot infer whether monitor={monitor!r} should be maximized or "
-        "minimized. Pass mode='max' to monitor the highest value, or "
-        "mode='min' to monitor the lowest.")
 
 
 class PerModelMonitorCallback(keras.callbacks.Callback):

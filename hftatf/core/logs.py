@@ -12,6 +12,8 @@ import re
 import keras
 from keras import ops
 
+from hftatf.core.compat import metric_direction
+
 MODEL_SUFFIX = re.compile(r"^(.+)_(0|[1-9][0-9]*)$")
 
 
@@ -134,8 +136,9 @@ def monitor_direction(model, monitor, num_models=None):
         if name == "loss" or name.endswith("_loss"):
             return "down"
         for metric in _metric_objects(model):
-            if metric.name == name and hasattr(metric, "_direction"):
-                return "up" if metric._direction == "up" else "down"
+            direction = metric_direction(metric)
+            if metric.name == name and direction is not None:
+                return "up" if direction == "up" else "down"
         if name.endswith(("acc", "accuracy", "auc")):
             return "up"
     raise ValueError(
