@@ -54,6 +54,12 @@ class FusedOptimizer(PerModelHyperparameters, PerModelClipping,
             length of any per-model sequence, from `FusedModel.compile`, or
             from the variables the optimizer is built on.
 
+    Values that cannot be right are refused, when given and when set: a
+    learning rate (or a schedule's rate) that is not a finite number >= 0,
+    betas outside [0, 1), a negative epsilon, clipping or weight decay, a
+    momentum outside [0, 1], any hyper-parameter that is NaN or infinite
+    (`hyperparameters.RANGES`, and a class's own `hyperparameter_ranges`).
+
     Step counts: `iterations` counts the steps applied to any model;
     `model_iterations` (`[B]`) counts each model's own steps, and is what
     each model's learning-rate schedule, bias corrections
