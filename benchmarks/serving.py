@@ -40,6 +40,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hftatf  # noqa: E402
+from benchmarks import flags  # noqa: E402
 
 
 def mlp():
@@ -92,12 +93,17 @@ def parse_args(argv):
     if args.quick:
         args.models, args.num_models, args.batch_size = "mlp,cnn", "2,4", 32
         args.jit, args.repeats, args.calls = "both", 3, 5
-    args.models = args.models.split(",")
+    args.models = flags.comma_list(parser, "--models", args.models)
     unknown = [m for m in args.models if m not in ARCHITECTURES]
     if unknown:
         parser.error(f"unknown --models {unknown}; known: "
                      f"{sorted(ARCHITECTURES)}")
-    args.num_models = [int(b) for b in args.num_models.split(",")]
+    args.num_models = flags.array_sizes(parser, args.num_models,
+                                        "--num-models")
+    for name in ("batch_size", "repeats", "calls"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1; "
+                         f"received {getattr(args, name)}")
     return args
 
 
