@@ -305,7 +305,7 @@ def markdown_table(rows):
              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         seconds = [row.get(f"{key}_s") for key in (*PHASES, "total")]
-        cells = [row["num_models"], row["xla"], row.get("parameters", "")]
+        cells = [row["num_models"], row["xla"], row.get("parameters") or ""]
         cells += ["" if s is None else f"{s:.2f}" for s in seconds]
         cells += [f"{row['peak_rss_mib']:.0f}", row["status"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
