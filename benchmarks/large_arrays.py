@@ -314,7 +314,8 @@ def markdown_table(rows):
 
 def plot(rows, path, title):
     """Total seconds and peak MiB against B, log-log, one curve per XLA
-    setting. Returns whether a plot was written (not without
+    setting; a stopped process is an open triangle at its process time and
+    peak memory so far. Returns whether a plot was written (not without
     matplotlib)."""
     try:
         import matplotlib
@@ -326,14 +327,27 @@ def plot(rows, path, title):
               "no plot.")
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
-    for xla in XLA_SETTINGS:
+    for xla, color in zip(XLA_SETTINGS, ("tab:blue", "tab:orange")):
         done = sorted((r["num_models"], r["total_s"], r["peak_rss_mib"])
                       for r in rows if r["xla"] == xla
                       and r["status"] == "ok")
         if done:
             sizes, seconds, memory = zip(*done)
-            left.plot(sizes, seconds, marker="o", label=f"XLA {xla}")
-            right.plot(sizes, memory, marker="o", label=f"XLA {xla}")
+            left.plot(sizes, seconds, marker="o", color=color,
+                      label=f"XLA {xla}")
+            right.plot(sizes, memory, marker="o", color=color,
+                       label=f"XLA {xla}")
+        # A stopped process ran at least this long and this large.
+        stopped = sorted((r["num_models"], r["process_s"], r["peak_rss_mib"])
+                         for r in rows if r["xla"] == xla
+                         and r["status"] not in ("ok", "failed"))
+        if stopped:
+            sizes, seconds, memory = zip(*stopped)
+            style = {"marker": "^", "linestyle": "none", "color": color,
+                     "markerfacecolor": "none",
+                     "label": f"XLA {xla}, stopped (at least)"}
+            left.plot(sizes, seconds, **style)
+            right.plot(sizes, memory, **style)
     for axes, label in ((left, "fuse + compile + first epoch (s)"),
                         (right, "peak resident memory (MiB)")):
         axes.set_xscale("log")
@@ -341,7 +355,7 @@ def plot(rows, path, title):
         axes.set_xlabel("models B")
         axes.set_ylabel(label)
         if axes.get_legend_handles_labels()[0]:
-            axes.legend()
+            axes.legend(fontsize="small")
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
