@@ -130,9 +130,14 @@ def _sum_gradients(parts):
 
 def _select_models(variable, value, models):
     """Assigns `value` to the slices of the TensorFlow `variable` of the
-    models where the `[B]` booleans `models` hold."""
-    return variable.assign(tf.where(
-        broadcast_to_models(models, len(variable.shape)), value, variable))
+    models where the `[B]` booleans `models` hold (on steps where one
+    does)."""
+    def select():
+        variable.assign(tf.where(
+            broadcast_to_models(models, len(variable.shape)), value,
+            variable))
+
+    tf.cond(tf.reduce_any(models), select, lambda: None)
 
 
 def _pass_values(values, roles, start, count):
