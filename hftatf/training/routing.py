@@ -10,6 +10,7 @@ says. Model `b` then gets its slice (`y[:, b]`) or the whole.
 import keras
 from keras import ops
 
+from hftatf.core import compat
 from hftatf.core.compat import get_keras_mask, set_keras_mask
 from hftatf.layers.base import keep_logits, mask_has_model_axis
 
@@ -61,7 +62,7 @@ def model_slices(tensor, num_models, unstack):
     sigmoid outputs (its crossentropy reads them for exactness) and the
     output's mask (its losses and metrics leave masked steps out)."""
     slices = unstack(tensor, num_models)
-    logits = getattr(tensor, "_keras_logits", None)
+    logits = compat.keras_logits(tensor)
     if logits is not None:
         for sliced, sliced_logits in zip(slices,
                                          unstack(logits, num_models)):

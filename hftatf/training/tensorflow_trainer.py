@@ -66,7 +66,7 @@ def _with_output_attributes(forward):
         y_pred, *rest = forward(*args)
         flat = keras.tree.flatten(y_pred)
         return (y_pred, [get_keras_mask(t) for t in flat],
-                [getattr(t, "_keras_logits", None) for t in flat], *rest)
+                [compat.keras_logits(t) for t in flat], *rest)
     return function
 
 
@@ -373,7 +373,7 @@ class TensorFlowTrainer:
         indices of sparse ones) and per-model state."""
         _, first_preds, _, first_gradients, first_state = first
         _, (trainable_roles, state_roles) = self._pass_model(count)
-        logits = [getattr(t, "_keras_logits", None) is not None
+        logits = [compat.keras_logits(t) is not None
                   for t in keras.tree.flatten(first_preds)]
         # Each output's mask: per model (written by every pass), shared by
         # the models (the first pass's), or none.
@@ -399,7 +399,7 @@ class TensorFlowTrainer:
             shared = [g for g, role in gradients
                       if not role and g is not None]
             return ([passes.models_first(t) for t in flat]
-                    + [passes.models_first(t._keras_logits)
+                    + [passes.models_first(compat.keras_logits(t))
                        for t, has in zip(flat, logits) if has]
                     + [passes.models_first(get_keras_mask(t))
                        for t, has in zip(flat, masked) if has]
