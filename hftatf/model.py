@@ -110,6 +110,7 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         self._resolved_models_per_pass = None
         self._pass_models = passes.PassModels()
         self._status = ModelStatus(self.num_models)
+        self._bad_batch = divergence.BatchProblems()
         self._reported_divergence = set()
         # The `layout` given to `hftatf.fuse`.
         self._layout = "auto"
@@ -401,8 +402,10 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         """As `keras.Model.train_on_batch`, with `class_weight` as in
         `fit` (read from each model's own labels)."""
         self._use_class_weight(class_weight)
-        return super().train_on_batch(x, y, sample_weight=sample_weight,
+        logs = super().train_on_batch(x, y, sample_weight=sample_weight,
                                       return_dict=return_dict)
+        self.check_batch("the batch given to train_on_batch")
+        return logs
 
     def unfuse(self, compile=True):
         """Returns the B models as plain Keras models with their weights,

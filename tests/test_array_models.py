@@ -82,21 +82,44 @@ def test_a_diverging_model_does_not_touch_the_others(make_optimizer,
     assert len(messages) == 1 and "Model 0" in messages[0]
 
 
-def test_an_update_that_makes_weights_non_finite_is_reported_as_such(
-        caplog):
-    # An infinite rate turns model 0's finite gradients into infinite
-    # weights: its loss shows it a step later, and the report must not
-    # claim last finite weights.
-    array = array_with(hftatf.optimizers.SGD([float("inf"), 0.02, 0.03]),
-                       jit_compile=False)
-    with caplog.at_level(logging.WARNING):
-        fit(array, epochs=1)
-    assert list(array.diverged_models) == [True, False, False]
+@pytest.mark.parametrize("bad_rate", [float("inf"), 1e38],
+                         ids=["inf", "overflowing"])
+@JIT_COMPILE
+def test_an_update_that_makes_weights_non_finite_is_undone(
+        bad_rate, jit_compile, caplog):
+    # Model 1's gradients are finite, its update (an infinite rate, or a
+    # rate whose product with them overflows) is not: it must keep the
+    # weights it had before that update, bit for bit, and the others must
+    # train as in an array where model 1 is healthy.
+    x, y = data()
+    y = y * 1e3  # gradients large enough for 1e38 times them to overflow
+
+    def trained(rates):
+        array = array_with(hftatf.optimizers.SGD(rates),
+                           jit_compile=jit_compile)
+        initial = array.get_model_weights(1)
+        with caplog.at_level(logging.WARNING):
+            array.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                      verbose=0)
+        return array, initial
+
+    healthy, _ = trained([0.01, 0.02, 0.03])
+    caplog.clear()
+    poisoned, initial = trained([0.01, bad_rate, 0.03])
+    assert list(poisoned.diverged_models) == [False, True, False]
+    assert int(keras.ops.convert_to_numpy(
+        poisoned._status.diverged_at)[1]) == 1
+    for ours, theirs in zip(poisoned.get_model_weights(1), initial):
+        np.testing.assert_array_equal(ours, theirs)
+    for index in (0, 2):
+        for ours, theirs in zip(poisoned.get_model_weights(index),
+                                healthy.get_model_weights(index)):
+            np.testing.assert_array_equal(ours, theirs)
     messages = [r.getMessage() for r in caplog.records
                 if "diverged" in r.getMessage()]
-    assert len(messages) == 1 and "Model 0" in messages[0]
-    assert "optimizer's update made them so" in messages[0]
-    assert "last finite" not in messages[0]
+    assert len(messages) == 1 and "Model 1" in messages[0]
+    assert "update made its weights non-finite" in messages[0]
+    assert "weights it had before that update" in messages[0]
 
 
 @JIT_COMPILE

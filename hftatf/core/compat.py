@@ -394,3 +394,10 @@ def tensorflow_random_ops_util():
     from tensorflow.python.ops import random_ops_util
 
     return random_ops_util
+
+
+def keras_logits(tensor):
+    """The logits Keras keeps on a softmax or sigmoid output (its
+    crossentropy reads them for exactness), or None: no public API gives
+    them (`_keras_logits`)."""
+    return getattr(tensor, "_keras_logits", None)

@@ -22,7 +22,9 @@ class ModelStatus(keras.metrics.Metric):
 
     `active[b]` is 1 while model `b` is updated; 0 once it is frozen (it
     diverged, or a callback stopped it). `diverged[b]` is 1 once model `b`
-    produced a non-finite loss or gradient. Saved with the array's weights
+    produced a non-finite loss or gradient, or an update that made its
+    weights non-finite (then `diverged_in_update[b]` is 1 too), at the
+    optimizer step `diverged_at[b]`. Saved with the array's weights
     (so a resumed run keeps them), and never reset between epochs.
     """
 
@@ -38,14 +40,22 @@ class ModelStatus(keras.metrics.Metric):
         self.diverged_at = self.add_variable(
             (num_models,), "zeros", name="diverged_at",
             aggregation="only_first_replica")
+        self.diverged_in_update = self.add_variable(
+            (num_models,), "zeros", name="diverged_in_update",
+            aggregation="only_first_replica")
 
-    def update_state(self, diverging, step):
-        """Freezes the `diverging` models (`[B]` booleans) at `step`."""
+    def update_state(self, diverging, step, in_update=None):
+        """Freezes the `diverging` models (`[B]` booleans) at `step`;
+        `in_update`: those of them whose update, not their loss or
+        gradients, turned non-finite."""
         diverging = ops.cast(diverging, self.dtype)
         self.diverged_at.assign(ops.where(
             diverging > 0, ops.cast(step, self.dtype), self.diverged_at))
         self.diverged.assign(ops.maximum(self.diverged, diverging))
         self.active.assign(self.active * (1.0 - diverging))
+        if in_update is not None:
+            self.diverged_in_update.assign(ops.maximum(
+                self.diverged_in_update, ops.cast(in_update, self.dtype)))
 
     def reset_state(self):
         # Epoch boundaries must not revive frozen models.
@@ -58,8 +68,71 @@ class ModelStatus(keras.metrics.Metric):
         return {**super().get_config(), "num_models": self.num_models}
 
 
+# What `BatchProblems` records of a training batch, in order.
+_PROBLEMS = (
+    "every model of the array that trains turned non-finite on it at once",
+    "its inputs hold NaN or infinite values",
+    "its labels hold NaN or infinite values",
+    ("its labels hold class ids outside [0, classes) for a sparse loss, "
+     "which stock Keras refuses too"),
+    "its sample weights hold NaN or infinite values",
+)
+
+
+class BatchProblems(keras.metrics.Metric):
+    """What was found wrong with a training batch, one flag per entry of
+    `_PROBLEMS`: such a batch trains no model (`apply_model_gradients`),
+    and `fit` raises on it (`DivergenceReport`)."""
+
+    def __init__(self, name="batch_problems", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.found = self.add_variable(
+            (len(_PROBLEMS),), "zeros", name="found",
+            aggregation="only_first_replica")
+
+    def update_state(self, found):
+        self.found.assign(ops.maximum(self.found,
+                                      ops.cast(found, self.dtype)))
+
+    def reset_state(self):
+        self.found.assign(ops.zeros_like(self.found))
+
+    def result(self):
+        return self.found
+
+
+def _non_finite(structure):
+    """A scalar boolean: whether a floating-point tensor of `structure`
+    holds a NaN or an infinity."""
+    found = ops.zeros((), "bool")
+    for tensor in keras.tree.flatten(structure):
+        if tensor is not None and keras.backend.is_float_dtype(
+                keras.backend.standardize_dtype(tensor.dtype)):
+            found = ops.logical_or(found, ops.logical_not(
+                ops.all(ops.isfinite(tensor))))
+    return found
+
+
 class DivergenceReport(keras.callbacks.Callback):
-    """Logs each model of the array that diverged, once."""
+    """Logs each model of the array that diverged, once; raises on a
+    batch that no model could train on (`Divergence.check_batch`)."""
+
+    def __init__(self):
+        super().__init__()
+        self._epoch = 0
+
+    def on_train_begin(self, logs=None):
+        self.model._bad_batch.reset_state()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        steps = getattr(self.model, "steps_per_execution", 1) or 1
+        batches = (f"batch {batch}" if steps == 1 else
+                   f"one of batches {max(batch - steps + 1, 0)}-{batch}")
+        self.model.check_batch(f"{batches} of epoch {self._epoch} "
+                               "(counted from 0)")
 
     def on_epoch_end(self, epoch, logs=None):
         self._report()
@@ -70,22 +143,19 @@ class DivergenceReport(keras.callbacks.Callback):
     def _report(self):
         model = self.model
         steps = ops.convert_to_numpy(model._status.diverged_at)
+        in_update = ops.convert_to_numpy(model._status.diverged_in_update)
         for index in np.flatnonzero(model.diverged_models):
             if index not in model._reported_divergence:
                 model._reported_divergence.add(int(index))
-                if all(np.all(np.isfinite(w))
-                       for w in model.get_model_weights(index)):
+                if in_update[index]:
+                    how = (": its optimizer's update made its weights "
+                           "non-finite, though its loss and gradients were "
+                           "finite (a hyper-parameter out of range?). It is "
+                           "frozen with the weights it had before that "
+                           "update")
+                else:
                     how = (" (non-finite loss or gradient). It is frozen "
                            "with its last finite weights")
-                else:
-                    # Only the losses and gradients are checked each step:
-                    # an update that turned finite ones into non-finite
-                    # weights shows at the next step's loss.
-                    how = (": its weights are not finite, though its loss "
-                           "and gradients were until then, so its "
-                           "optimizer's update made them so (a "
-                           "hyper-parameter out of range?). It is frozen "
-                           "as it is")
                 logging.warning(
                     "Model %d of array '%s' diverged at step %d%s and its "
                     "loss is logged as NaN; the other models train on.",
@@ -139,8 +209,9 @@ class Divergence:
     """Mixin of `FusedModel`: which models train, and the step's update of
     those that may.
 
-    Reads `num_models`, `optimizer` and `_status` (a `ModelStatus`, saved
-    with the array's own variables).
+    Reads `num_models`, `optimizer`, `_status` (a `ModelStatus`, saved
+    with the array's own variables), `_bad_batch` (a `BatchProblems`) and
+    the label routing's `_class_ids_outside`.
     """
 
     def _status_variables(self):
@@ -188,15 +259,67 @@ class Divergence:
         variables += self._weights_assigned_in_training()
         return variables, [ops.copy(v) for v in variables]
 
-    def apply_model_gradients(self, updates, losses, state=None):
+    def _restore_models(self, variables, values, models):
+        """Gives the models where the `[B]` booleans `models` hold their
+        slices of `values` back in `variables` (the backend trainer may
+        skip the work on steps that restore none)."""
+        for variable, value in zip(variables, values):
+            variable.assign(ops.where(
+                broadcast_to_models(models, len(variable.shape)), value,
+                variable))
+
+    def check_batch(self, where):
+        """Raises if the last training batch was refused (what
+        `BatchProblems` found wrong with it), naming it as `where`."""
+        found = ops.convert_to_numpy(self._bad_batch.found) > 0
+        if not found.any():
+            return
+        self._bad_batch.reset_state()
+        what = [text for text, hit in zip(_PROBLEMS, found) if hit]
+        if not found[1:].any():
+            what.append(
+                "its inputs, labels and sample weights are finite and its "
+                "class ids in range, so either every model's "
+                "hyper-parameters make it diverge at once (learning rates "
+                "too large?) or the batch holds values no model can train "
+                "on (huge inputs?)")
+        raise ValueError(
+            f"Array '{self.name}' refused the training data in {where}: "
+            f"{'; '.join(what)}. No model took a step on that batch and "
+            "none was frozen: fix the data (or the hyper-parameters) and "
+            "train again.")
+
+    def _batch_problems(self, diverging, active, data):
+        """`[len(_PROBLEMS)]` booleans: what is wrong with the batch `data`
+        (`(x, y, y_pred, sample_weight)`, or None where a step of a
+        subclass does not give it). Class ids are checked on every
+        batch, the rest only where every model that trains (two or more)
+        turned non-finite on it (`diverging`), as a bad batch makes them."""
+        count = ops.sum(ops.cast(diverging, "int32"))
+        every = ops.logical_and(count >= 2, ops.all(
+            ops.equal(diverging, active)))
+        unknown = ops.zeros((), "bool")
+        if data is None:
+            return ops.stack([every] + [unknown] * (len(_PROBLEMS) - 1))
+        x, y, y_pred, sample_weight = data
+        outside = self._class_ids_outside(y, y_pred)
+        return ops.cond(
+            ops.logical_or(every, outside),
+            lambda: ops.stack([every, _non_finite(x), _non_finite(y),
+                               outside, _non_finite(sample_weight)]),
+            lambda: ops.stack([every, unknown, unknown, outside, unknown]))
+
+    def apply_model_gradients(self, updates, losses, state=None, data=None):
         """Applies one training step to the models that may take it.
 
         The step every `train_step` ends with, custom ones included (a
         GAN's applies two optimizers): a model is updated only while it is
         active (not frozen, not diverged) and its losses and gradients are
-        finite; a model whose loss or gradient turns non-finite is frozen
-        with its last finite weights (its moving statistics too, given the
-        `state` from `model_state()`), and logged once. Under loss-scaling
+        finite; a model whose loss or gradient turns non-finite, or whose
+        update turns its weights non-finite, is frozen with its last finite
+        weights, those from before that step (its moving statistics too,
+        given the `state` from `model_state()`), and logged once. (Its
+        optimizer's slots keep that step's update.) Under loss-scaling
         optimizers (`skips_nonfinite_steps`), which skip a model's
         non-finite step and halve its scale themselves as stock Keras does,
         a model is frozen only once its loss scale is below 1
@@ -209,6 +332,11 @@ class Divergence:
             losses: the `[B]` per-model losses (a tuple of them for several
                 objectives).
             state: the `model_state()` taken before the forward pass.
+            data: the batch, `(x, y, y_pred, sample_weight)`: where given,
+                a batch with class ids outside a sparse loss's classes, or
+                one on which every model turns non-finite at once, trains
+                no model, freezes none, and makes `fit` raise, naming what
+                is wrong with it (`check_batch`).
 
         Returns:
             The `[B]` booleans of the models that took the step.
@@ -232,16 +360,32 @@ class Divergence:
                                            optimizer.rescales_models())
             finite = ops.logical_or(finite, rescaled)
         active = self._status.active > 0
-        training = ops.logical_and(active, finite)
+        problems = self._batch_problems(
+            ops.logical_and(active, ops.logical_not(finite)), active, data)
+        self._bad_batch.update_state(problems)
+        refused = ops.any(problems)
+        training = ops.logical_and(ops.logical_and(active, finite),
+                                   ops.logical_not(refused))
+        updated = [v for _, _, variables in updates for v in variables
+                   if len(v.shape) and v.shape[0] == self.num_models]
+        # Read before the update: a model whose update turns its weights
+        # non-finite gets these back.
+        before = [ops.copy(v) for v in updated]
         for optimizer, gradients, variables in updates:
             if variables:
                 optimizer.apply(gradients, variables, model_mask=training)
+        broken = ops.logical_and(training, ops.logical_not(
+            finite_per_model([ops.convert_to_tensor(v) for v in updated],
+                             self.num_models)))
+        self._restore_models(updated, before, broken)
+        training = ops.logical_and(training, ops.logical_not(broken))
         if state is not None:
             for variable, before in zip(*state):
                 variable.assign(ops.where(
                     broadcast_to_models(training, len(variable.shape)),
                     variable, before))
         self._status.update_state(
-            ops.logical_and(active, ops.logical_not(finite)),
-            self.optimizer.iterations)
+            ops.logical_and(ops.logical_and(active, ops.logical_not(
+                training)), ops.logical_not(refused)),
+            self.optimizer.iterations, in_update=broken)
         return training

@@ -98,9 +98,9 @@ class PerModelLosses:
 
     Reads `num_models`, `_model_losses` and `_model_metrics` (one
     `CompileLoss` and `CompileMetrics` per model, made by `compile`),
-    `_model_loss_tracker` (a `PerModelMean`) and `_status` (which models
+    `_model_loss_tracker` (a `PerModelMean`), `_status` (which models
     diverged: their losses log as NaN and their values stay out of the
-    means).
+    means) and `_bad_batch` (kept out of the logs).
     """
 
     def compile_model_losses(self, loss, loss_weights, metrics,
@@ -271,7 +271,8 @@ class PerModelLosses:
     def _user_metrics(self):
         """Metrics attached to the array by its user (Keras tracks the
         array's own per-model trackers there too; they are left out)."""
-        own = {id(self._model_loss_tracker), id(self._status)}
+        own = {id(self._model_loss_tracker), id(self._status),
+               id(self._bad_batch)}
         own.update(id(m) for m in self._model_metrics or ())
         own.update(id(m) for m in self._model_losses or ())
         return [m for m in compat.tracked_metrics(self) if id(m) not in own]

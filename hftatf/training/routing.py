@@ -10,6 +10,7 @@ says. Model `b` then gets its slice (`y[:, b]`) or the whole.
 import keras
 from keras import ops
 
+from hftatf.core import compat
 from hftatf.core.compat import get_keras_mask, set_keras_mask
 from hftatf.layers.base import keep_logits, mask_has_model_axis
 
@@ -61,7 +62,7 @@ def model_slices(tensor, num_models, unstack):
     sigmoid outputs (its crossentropy reads them for exactness) and the
     output's mask (its losses and metrics leave masked steps out)."""
     slices = unstack(tensor, num_models)
-    logits = getattr(tensor, "_keras_logits", None)
+    logits = compat.keras_logits(tensor)
     if logits is not None:
         for sliced, sliced_logits in zip(slices,
                                          unstack(logits, num_models)):
@@ -108,21 +109,30 @@ class LabelRouting:
     def _is_per_model(self, label, prediction, loss=None):
         """Whether `label` is `[batch, B, ...]` (per model) rather than
         `[batch, ...]` (shared), judged against the array's prediction
-        (and, where both would fit, the output's compiled `loss`)."""
+        (and, where both would fit, the output's compiled `loss`). Labels
+        that fit neither for this B are refused, naming the shapes that
+        would."""
         if self._per_model_labels is not None:
             return bool(self._per_model_labels)
         label_shape, pred_shape = tuple(label.shape), tuple(prediction.shape)
+        takes_ids = takes_class_ids(loss)
         if len(label_shape) == len(pred_shape):
+            self._check_per_model_label(label_shape, pred_shape, takes_ids)
             return True
         if len(label_shape) != len(pred_shape) - 1:
+            if takes_ids is not None and len(label_shape) > len(pred_shape):
+                raise self._label_shape_error(label_shape, pred_shape,
+                                              takes_ids)
             return False
         # Class ids per model, `[batch, B, ...]` for predictions `[batch, B,
         # ..., classes]` (none for a `[batch]` label: one value per sample).
         per_model_sparse = len(label_shape) > 1 and label_shape[1] in (
             None, self.num_models) and same_shape(
                 label_shape[2:], pred_shape[2:-1])
-        shared = same_shape(label_shape[1:], pred_shape[2:]) or (
-            same_shape(label_shape[1:], (*pred_shape[2:-1], 1)))
+        shared_ids = same_shape(label_shape[1:], (*pred_shape[2:-1], 1))
+        # Keras's sparse losses take class ids only.
+        shared = shared_ids or (not takes_ids and same_shape(
+            label_shape[1:], pred_shape[2:]))
         if per_model_sparse and shared and label_shape[1] is None:
             # An axis 1 of unknown size (a `tf.data` pipeline of sequences
             # of any length) is no sign of B models: the labels are read as
@@ -133,20 +143,52 @@ class LabelRouting:
             # per-model class ids: the loss tells where it is one of Keras's
             # (only its sparse losses take class ids); for a loss of the
             # user's own, class ids are integers.
-            takes_ids = takes_class_ids(loss)
             if takes_ids is not None:
                 return takes_ids
             return "int" in str(label.dtype)
         if not (per_model_sparse or shared):
-            raise ValueError(
-                f"Cannot match labels of shape {label_shape} to the array's "
-                f"output of shape {pred_shape} ([batch, num_models, ...]). "
-                "Give labels shared by all models as [batch, ...] (as for "
-                "the stock model) or per model as [batch, num_models, ...]; "
-                "for a loss that takes labels of another shape than its "
-                "output's, say which with compile(per_model_labels=True or "
-                "False).")
+            raise self._label_shape_error(label_shape, pred_shape, takes_ids)
         return per_model_sparse
+
+    def _check_per_model_label(self, label_shape, pred_shape, takes_ids):
+        """Refuses per-model labels (`[batch, B, ...]`, of the rank of the
+        array's output) whose model axis is not B, or, for a loss of
+        Keras's, whose other axes do not fit its output's."""
+        B = self.num_models
+        rest, pred_rest = label_shape[2:], pred_shape[2:]
+        if takes_ids:
+            # Class ids with a trailing axis of 1, as Keras takes them.
+            pred_rest = (*pred_shape[2:-1], 1)
+        fits = label_shape[1] in (None, B) and (
+            takes_ids is None or len(rest) == len(pred_rest) and all(
+                a is None or b is None or a == b or a == 1
+                for a, b in zip(rest, pred_rest)))
+        if not fits:
+            raise self._label_shape_error(label_shape, pred_shape, takes_ids)
+
+    def _label_shape_error(self, label_shape, pred_shape, takes_ids):
+        """The error for labels of `label_shape` that fit the array's
+        output of `pred_shape` neither shared nor per model."""
+        B = self.num_models
+        if takes_ids:
+            per_sample = pred_shape[2:-1]
+            kind = "class ids (its loss is one of Keras's sparse losses)"
+        else:
+            per_sample = pred_shape[2:]
+            kind = ("one label per output value" if takes_ids is False
+                    else "labels")
+        axes = ", ".join(str(d) for d in per_sample)
+        shared = f"(batch{', ' if axes else ''}{axes})"
+        per_model = f"(batch, {B}{', ' if axes else ''}{axes})"
+        return ValueError(
+            f"Cannot match labels of shape {label_shape} to the array's "
+            f"output of shape {pred_shape} ([batch, num_models={B}, ...]). "
+            f"This output takes {kind}: give labels shared by all {B} "
+            f"models as {shared} (as for the stock model) or per model as "
+            f"{per_model}. Check that the labels hold one column per model "
+            "of this array and the classes of its output; for a loss that "
+            "takes labels of another shape than its output's, say which "
+            "with compile(per_model_labels=True or False).")
 
     def _output_losses(self, y_pred):
         """The compiled loss of each output, in `keras.tree.flatten(y_pred)`
@@ -178,6 +220,8 @@ class LabelRouting:
         weight_shape, pred_shape = tuple(weight.shape), tuple(prediction.shape)
         if len(weight_shape) < 2 or weight_shape[1] not in (
                 None, self.num_models):
+            if not fits_shared_weight(weight_shape, pred_shape):
+                raise self._weight_shape_error(weight_shape, pred_shape)
             return False
         if weight_shape[1] is None and self._per_model_labels is None and (
                 fits_shared_weight(weight_shape, pred_shape)):
@@ -202,6 +246,19 @@ class LabelRouting:
                 f"([batch, timesteps]) for an output of shape {pred_shape}. "
                 "Pass per_model_labels=True or False to compile() to say.")
         return bool(self._per_model_labels)
+
+    def _weight_shape_error(self, weight_shape, pred_shape):
+        """The error for sample weights of `weight_shape` that fit the
+        array's output of `pred_shape` neither shared nor per model."""
+        B = self.num_models
+        steps = "".join(f", {d}" for d in pred_shape[2:-1])
+        return ValueError(
+            f"Cannot match sample weights of shape {weight_shape} to the "
+            f"array's output of shape {pred_shape} ([batch, num_models={B}, "
+            f"...]). Give one weight per sample, shared by all {B} models, "
+            f"as (batch{steps}) (as for the stock model), or one per sample "
+            f"and model as (batch, {B}{steps}). Check that the weights hold "
+            "one column per model of this array.")
 
     def _model_predictions(self, y_pred):
         """Each model's predictions (`y_pred[:, b]` of every output), from
@@ -249,6 +306,34 @@ class LabelRouting:
             references = [flat_pred[0]] * len(flat_w)
         return [w is not None and self._is_per_model_weight(w, p)
                 for w, p in zip(flat_w, references)]
+
+    def _class_ids_outside(self, y, y_pred):
+        """A scalar boolean: whether a label of an output whose loss is
+        one of Keras's sparse losses holds a class id outside `[0,
+        classes)` (NaN included; the loss's `ignore_class` left out),
+        which stock Keras refuses (TensorFlow's kernel raises; XLA's
+        returns NaN)."""
+        outside = ops.zeros((), "bool")
+        if y is None:
+            return outside
+        flat_y = keras.tree.flatten(y)
+        preds, losses = self._aligned(
+            y, y_pred, keras.tree.flatten(y_pred), self._output_losses(y_pred))
+        if len(flat_y) != len(preds):
+            return outside
+        for label, pred, loss in zip(flat_y, preds, losses):
+            classes = pred.shape[-1]
+            if label is None or classes is None or not takes_class_ids(loss):
+                continue
+            ids = ops.convert_to_tensor(label)
+            bad = ops.logical_or(ids < 0, ids >= classes)
+            if keras.backend.is_float_dtype(ids.dtype):
+                bad = ops.logical_or(bad, ops.isnan(ids))
+            ignored = getattr(loss, "ignore_class", None)
+            if ignored is not None:
+                bad = ops.logical_and(bad, ops.not_equal(ids, ignored))
+            outside = ops.logical_or(outside, ops.any(bad))
+        return outside
 
     def _model_targets(self, y, y_pred, sample_weight, index, pred,
                        training=False):

@@ -50,7 +50,12 @@ from hftatf.core.compat import (
     model_supports_jit,
     set_keras_mask,
 )
-from hftatf.layers.base import keep_logits, mask_has_model_axis, model_pieces
+from hftatf.layers.base import (
+    broadcast_to_models,
+    keep_logits,
+    mask_has_model_axis,
+    model_pieces,
+)
 
 
 def _with_output_attributes(forward):
@@ -61,7 +66,7 @@ def _with_output_attributes(forward):
         y_pred, *rest = forward(*args)
         flat = keras.tree.flatten(y_pred)
         return (y_pred, [get_keras_mask(t) for t in flat],
-                [getattr(t, "_keras_logits", None) for t in flat], *rest)
+                [compat.keras_logits(t) for t in flat], *rest)
     return function
 
 
@@ -123,6 +128,18 @@ def _sum_gradients(parts):
     return ops.sum(ops.stack(parts), axis=0) if parts else None
 
 
+def _select_models(variable, value, models):
+    """Assigns `value` to the slices of the TensorFlow `variable` of the
+    models where the `[B]` booleans `models` hold (on steps where one
+    does)."""
+    def select():
+        variable.assign(tf.where(
+            broadcast_to_models(models, len(variable.shape)), value,
+            variable))
+
+    tf.cond(tf.reduce_any(models), select, lambda: None)
+
+
 def _pass_values(values, roles, start, count):
     """Values for the pass of models `start:start + count`: the slices of
     those that carry the model axis, the others whole."""
@@ -157,7 +174,7 @@ class TensorFlowTrainer:
         y_pred, losses, gradients = self._replica_forward(x, y, sample_weight)
         self.apply_model_gradients(
             [(self.optimizer, gradients, self.trainable_weights)], losses,
-            state=state)
+            state=state, data=(x, y, y_pred, sample_weight))
         return self._track(x, y, y_pred, sample_weight, losses, training=True)
 
     def test_step(self, data):
@@ -181,6 +198,25 @@ class TensorFlowTrainer:
             and not run_eagerly
             and not isinstance(strategy, tf.distribute.TPUStrategy)
             and model_supports_jit(self))
+
+    def _restore_models(self, variables, values, models):
+        """`Divergence._restore_models`, skipped on steps that restore no
+        model; under a strategy, assigned in a cross-replica context (the
+        weights are mirrored variables, which a replica may not assign)."""
+        context = tf.distribute.get_replica_context()
+        if not tf.distribute.has_strategy() or context is None:
+            ops.cond(ops.any(models), lambda: super(
+                TensorFlowTrainer, self)._restore_models(
+                    variables, values, models), lambda: None)
+            return
+
+        def restore(strategy, values, models):
+            for variable, value in zip(variables, values):
+                strategy.extended.update(
+                    variable.value, _select_models, args=(value, models),
+                    group=False)
+
+        context.merge_call(restore, args=(values, models))
 
     def _replica_forward(self, x, y, sample_weight):
         """`_forward_and_gradients`, compiled with XLA under a strategy
@@ -337,7 +373,7 @@ class TensorFlowTrainer:
         indices of sparse ones) and per-model state."""
         _, first_preds, _, first_gradients, first_state = first
         _, (trainable_roles, state_roles) = self._pass_model(count)
-        logits = [getattr(t, "_keras_logits", None) is not None
+        logits = [compat.keras_logits(t) is not None
                   for t in keras.tree.flatten(first_preds)]
         # Each output's mask: per model (written by every pass), shared by
         # the models (the first pass's), or none.
@@ -363,7 +399,7 @@ class TensorFlowTrainer:
             shared = [g for g, role in gradients
                       if not role and g is not None]
             return ([passes.models_first(t) for t in flat]
-                    + [passes.models_first(t._keras_logits)
+                    + [passes.models_first(compat.keras_logits(t))
                        for t, has in zip(flat, logits) if has]
                     + [passes.models_first(get_keras_mask(t))
                        for t, has in zip(flat, masked) if has]

@@ -1,0 +1,201 @@
+"""Bad data is refused as bad data, not taken for bad hyper-parameters:
+labels and sample weights that do not fit the array's B, class ids outside
+the classes, and batches on which every model turns non-finite at once."""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hftatf
+
+BATCH = 8
+
+
+def classifier(classes=3):
+    inputs = keras.Input((6,))
+    hidden = keras.layers.Dense(8, activation="relu")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(
+        classes, activation="softmax")(hidden))
+
+
+def regressor():
+    inputs = keras.Input((6,))
+    return keras.Model(inputs, keras.layers.Dense(1)(inputs))
+
+
+def inputs(n=16, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, 6)).astype("float32")
+
+
+def class_ids(shape, classes=3, seed=1):
+    return np.random.default_rng(seed).integers(0, classes, shape)
+
+
+def array_of(build, num_models, loss, jit_compile="auto", rates=0.05):
+    keras.utils.set_random_seed(0)
+    array = hftatf.fuse(build(), num_models)
+    array.compile(hftatf.optimizers.SGD(rates), loss=loss,
+                  jit_compile=jit_compile)
+    return array
+
+
+def weights_of(array):
+    return [keras.ops.convert_to_numpy(w).copy() for w in array.weights]
+
+
+def assert_untrained(array, before):
+    for ours, theirs in zip(weights_of(array), before):
+        np.testing.assert_array_equal(ours, theirs)
+    assert not array.diverged_models.any()
+    assert array.active_models.all()
+
+
+JIT_COMPILE = pytest.mark.parametrize("jit_compile", [True, False],
+                                      ids=["xla", "no_xla"])
+
+# (model, B, loss, labels, sample weights, the received shape and the
+# shapes the error must name as fitting).
+SHAPE_CASES = {
+    "mse_labels_of_3_models_for_4": (
+        regressor, 4, "mse", np.zeros((16, 3, 1), "float32"), None,
+        "3, 1)", ["(batch, 1)", "(batch, 4, 1)"]),
+    "sample_weights_of_5_models_for_4": (
+        regressor, 4, "mse", np.zeros((16, 1), "float32"),
+        np.ones((16, 5), "float32"), "5)", ["(batch)", "(batch, 4)"]),
+    "class_ids_of_3_models_for_4": (
+        classifier, 4, "sparse_categorical_crossentropy",
+        class_ids((16, 3)), None, "3)", ["(batch)", "(batch, 4)"]),
+    "one_hot_labels_of_5_classes_for_3": (
+        classifier, 3, "categorical_crossentropy",
+        np.eye(5, dtype="float32")[class_ids((16, 3), classes=5)], None,
+        "3, 5)", ["(batch, 3)", "(batch, 3, 3)"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPE_CASES))
+def test_labels_and_weights_that_fit_no_reading_are_refused_first(case):
+    build, num_models, loss, y, weights, received, fitting = SHAPE_CASES[case]
+    array = array_of(build, num_models, loss)
+    before = weights_of(array)
+    with pytest.raises(ValueError, match=re.escape(received)) as error:
+        array.fit(inputs(), y, sample_weight=weights, batch_size=BATCH,
+                  verbose=0)
+    for shape in fitting:
+        assert shape in str(error.value), (shape, str(error.value))
+    assert f"num_models={num_models}" in str(error.value)
+    assert_untrained(array, before)
+
+
+def stock_refuses(x, y, jit_compile):
+    keras.utils.set_random_seed(0)
+    model = classifier()
+    model.compile("sgd", "sparse_categorical_crossentropy",
+                  jit_compile=jit_compile)
+    try:
+        history = model.fit(x, y, batch_size=BATCH, verbose=0).history
+    except tf.errors.InvalidArgumentError as error:
+        assert "outside the valid range" in str(error)
+        return True
+    assert np.isnan(history["loss"][-1])  # XLA's kernel: NaN, no error
+    return False
+
+
+@pytest.mark.parametrize("bad", [7, -1])
+@pytest.mark.parametrize("per_model", [False, True],
+                         ids=["shared", "per_model"])
+@JIT_COMPILE
+def test_class_ids_outside_the_classes_are_refused(bad, per_model,
+                                                   jit_compile):
+    x = inputs()
+    y = class_ids((16, 3) if per_model else (16,))
+    if per_model:
+        y[11, 2] = bad  # model 2's label in the second batch
+    else:
+        y[11] = bad
+    # Stock Keras refuses them where TensorFlow's kernel runs.
+    assert stock_refuses(x, y[:, 2] if per_model else y,
+                         jit_compile) == (not jit_compile)
+    def after_a_clean_batch():
+        array = array_of(classifier, 3, "sparse_categorical_crossentropy",
+                         jit_compile=jit_compile)
+        array.fit(x[:8], y[:8], batch_size=BATCH, shuffle=False,
+                  verbose=0)
+        return array
+
+    array, reference = after_a_clean_batch(), after_a_clean_batch()
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError),
+                       match="outside"):
+        array.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    # The first batch trained every model; the second, none.
+    reference.fit(x[:8], y[:8], batch_size=BATCH, shuffle=False,
+                  verbose=0)
+    assert_untrained(array, weights_of(reference))
+
+
+def test_the_class_ids_a_loss_ignores_are_no_error():
+    y = class_ids((16,))
+    y[3] = -1
+    array = array_of(classifier, 3, keras.losses.SparseCategoricalCrossentropy(
+        ignore_class=-1))
+    array.fit(inputs(), y, batch_size=BATCH, verbose=0)
+    assert not array.diverged_models.any()
+
+
+def test_the_error_names_the_batch_and_what_is_wrong_with_it():
+    x, y = inputs(), class_ids((16,))
+    x[12, 4] = np.nan  # the second batch
+    array = array_of(classifier, 3, "sparse_categorical_crossentropy")
+    with pytest.raises(ValueError, match="batch 1 of epoch 0") as error:
+        array.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    message = str(error.value)
+    assert "inputs hold NaN or infinite values" in message
+    assert "every model" in message
+    assert "labels" not in message and "sample weights" not in message
+    assert not array.diverged_models.any() and array.active_models.all()
+    # Nothing of the refused batch stays: clean data trains every model.
+    x[12, 4] = 0.0
+    history = array.fit(x, y, batch_size=BATCH, verbose=0).history
+    assert all(np.isfinite(history[f"loss_{b}"][-1]) for b in range(3))
+    assert not array.diverged_models.any()
+
+
+def test_all_nan_sample_weights_are_named():
+    x, y = inputs(), class_ids((16,))
+    weights = np.full((16,), np.nan, "float32")
+    array = array_of(classifier, 3, "sparse_categorical_crossentropy")
+    before = weights_of(array)
+    with pytest.raises(ValueError, match="sample weights hold NaN"):
+        array.fit(x, y, sample_weight=weights, batch_size=BATCH, verbose=0)
+    assert_untrained(array, before)
+
+
+def test_train_on_batch_refuses_a_bad_batch_too():
+    x, y = inputs(8), class_ids((8,))
+    x[0, 0] = np.inf
+    array = array_of(classifier, 3, "sparse_categorical_crossentropy")
+    before = weights_of(array)
+    with pytest.raises(ValueError, match="inputs hold NaN or infinite"):
+        array.train_on_batch(x, y)
+    assert_untrained(array, before)
+
+
+def test_every_model_diverging_at_once_on_clean_data_stops_training():
+    # Rates that make every model's loss overflow on the second step: the
+    # data is clean, and the error says so.
+    array = array_of(regressor, 3, "mse", rates=1e30)
+    x = inputs()
+    y = np.ones((16, 1), "float32")
+    with pytest.raises(ValueError, match="learning rates too large"):
+        array.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                  verbose=0)
+    assert not array.diverged_models.any()
+
+
+def test_one_model_diverging_alone_still_trains_the_others():
+    array = array_of(regressor, 3, "mse", rates=[0.01, 1e30, 0.01])
+    x, y = inputs(), np.ones((16, 1), "float32")
+    array.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    assert list(array.diverged_models) == [False, True, False]
