@@ -34,6 +34,7 @@ from hftatf.validation import check_num_models
 LAYOUTS = ("auto", "batch_first", "models_first")
 
 
+@hooks.provides("fuse")
 def fuse(model, num_models, shared_inputs=True, name=None,
          model_class=FusedModel, layout="auto"):
     """Turns a functional or Sequential Keras model into an array of B.

@@ -278,6 +278,14 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         # as Keras builds its own.
         unbuilt = [m for m in (self._model_metrics or []) + (
             self._model_losses or []) if not m.built]
+        if unbuilt and data_batch is None and iterator is not None:
+            # `fit` passes its iterator (and resets it after): built here,
+            # the metrics are not built inside the traced step, which would
+            # trace it twice. As `keras.Model._symbolic_build` reads it.
+            for _, _, data in iterator:
+                data_batch = (data[0] if isinstance(data, (list, tuple))
+                              else next(data))
+                break
         if not unbuilt or data_batch is None:
             return
 
@@ -455,14 +463,12 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         flags = config.pop("trainable_flags", None) or config.pop(
             "inner_trainable", {})
         if source is not None:
-            from hftatf.fuse import fuse
-
             stock = keras.saving.deserialize_keras_object(
                 source, custom_objects=custom_objects)
             set_trainable_flags(stock, flags)
-            array = fuse(stock, num_models, shared_inputs=shared_inputs,
-                         name=config.get("name"), model_class=cls,
-                         layout=layout)
+            array = hooks.call(
+                "fuse", stock, num_models, shared_inputs=shared_inputs,
+                name=config.get("name"), model_class=cls, layout=layout)
             array.trainable = config.get("trainable", True)
             return array
         graph = keras.Model.from_config(config, custom_objects=custom_objects)
