@@ -4,10 +4,10 @@ import keras
 from keras.src.applications import convnext, inception_resnet_v2
 
 from hftatf.api import hftatf_export
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.fold import FusedFold
-from hftatf.validation import check_model_axis
 
 # InceptionResNetV2's residual merge, `inputs[0] + inputs[1] * scale`: no
 # weights, each sample on its own, so it folds like a stock merge.

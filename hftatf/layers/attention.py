@@ -11,9 +11,9 @@ so the backend runs the kernels it runs for stock attention (TensorFlow's
 Keras backend turns them into transposes and batched matmuls, which are
 faster on CPU than a general einsum with an extra axis). Where the
 projections compute with the models first (`per_model_matmul`), attention
-folds the models first too (`fold_models_first`), so the projected tensors
-go into attention, and its output into the output projection, without
-being moved back and forth.
+folds the models first too (`swap_model_axis`, then `fold_models`), so
+the projected tensors go into attention, and its output into the output
+projection, without being moved back and forth.
 
 Their `attention_mask`: a mask of the stock rank (e.g. `[batch, T, S]`) is
 shared by all models; a mask with one more axis carries the model axis at 1
@@ -38,16 +38,11 @@ from keras.src.layers.attention.multi_head_attention import (
 )
 
 from hftatf.api import hftatf_export
+from hftatf.core.axis import fold_models, swap_model_axis, unfold_models
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.dense import FusedEinsumDense
-from hftatf.layers.fold import (
-    fold_model_axis,
-    fold_models_first,
-    unfold_model_axis,
-    unfold_models_first,
-)
-from hftatf.validation import check_model_axis
 
 __all__ = [
     "FusedAdditiveAttention",
@@ -218,8 +213,9 @@ class FusedAttentionBase(FusedLayer):
 
     def _fold(self, x, models_first):
         """Folds `[batch, B, ...]` as attention runs: models first
-        (`fold_models_first`) or batch first (`fold_model_axis`)."""
-        return fold_models_first(x) if models_first else fold_model_axis(x)
+        (`[B * batch, ...]`; moved first, the models cancel the transpose
+        back of a models-first product) or batch first."""
+        return fold_models(swap_model_axis(x) if models_first else x)
 
     def _fold_key_or_value(self, x, models_first):
         """A projected key or value, folded as attention runs."""
@@ -227,8 +223,10 @@ class FusedAttentionBase(FusedLayer):
 
     def _unfold(self, x, models_first):
         if models_first:
-            return unfold_models_first(x, self.num_models)
-        return unfold_model_axis(x, self.num_models)
+            # Moved second, the models cancel against the transpose forth
+            # of a following models-first product.
+            return swap_model_axis(unfold_models(x, self.num_models, True))
+        return unfold_models(x, self.num_models)
 
     def _fold_mask(self, mask, batch, models_first):
         """A fused mask `[batch or 1, B or 1, ...]` broadcast over the
@@ -236,7 +234,7 @@ class FusedAttentionBase(FusedLayer):
         lead = (batch, self.num_models)
         if models_first:
             mask, lead = ops.swapaxes(mask, 0, 1), lead[::-1]
-        return fold_model_axis(ops.broadcast_to(
+        return fold_models(ops.broadcast_to(
             mask, (*lead, *ops.shape(mask)[2:])))
 
     def _masked_softmax(self, scores, attention_mask=None, num_axes=1,

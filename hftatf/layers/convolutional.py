@@ -69,16 +69,12 @@ from keras.src.utils.argument_validation import (
 )
 
 from hftatf.api import hftatf_export
+from hftatf.core.axis import map_models, split_models, stack_models
+from hftatf.core.devices import runs_on_accelerator
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
-from hftatf.layers.base import (
-    FusedLayer,
-    add_bias_by_rows,
-    map_pieces,
-    model_pieces,
-    runs_on_accelerator,
-    stack_models,
-)
-from hftatf.validation import check_model_axis
+from hftatf.layers.base import FusedLayer
+from hftatf.layers.kernels import add_bias_by_rows
 
 __all__ = [
     "FusedBaseConv",
@@ -325,15 +321,15 @@ class _FusedConvolution(FusedLayer):
         whose gradients are one `stack` and one `unstack`: slicing `x[:, b]`
         B times would cost B gradients of the size of the whole input. An
         input stacked by a per-model layer gives its pieces instead
-        (`model_pieces`): no copy either way.
+        (`split_models`): no copy either way.
         """
-        per_kernel = [model_pieces(kernel, self.num_models, 0)
+        per_kernel = [split_models(kernel, self.num_models, 0)
                       for kernel in kernels]
-        biases = (model_pieces(self.bias, self.num_models, 0)
+        biases = (split_models(self.bias, self.num_models, 0)
                   if self.bias is not None else [None] * self.num_models)
         outputs = []
         slices = ([inputs] * self.num_models if shared
-                  else model_pieces(inputs, self.num_models, self.model_axis))
+                  else split_models(inputs, self.num_models, self.model_axis))
         for index, x in enumerate(slices):
             y = convolution(x, *(k[index] for k in per_kernel))
             if biases[index] is not None:
@@ -373,7 +369,7 @@ class _FusedConvolution(FusedLayer):
     def _activate(self, outputs):
         if self.activation is None:
             return outputs
-        return map_pieces(self.activation, outputs, self.num_models,
+        return map_models(self.activation, outputs, self.num_models,
                           self.model_axis)
 
     def _conv_arguments(self, padding=None):

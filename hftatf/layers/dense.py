@@ -8,20 +8,18 @@ import keras
 from keras import ops
 
 from hftatf.api import hftatf_export
-from hftatf.layers import registry
-from hftatf.layers.base import (
-    FusedLayer,
-    add_bias_by_rows,
-    as_one_sample,
-    batch_matmul,
-    compiling_with_xla,
-    model_pieces,
+from hftatf.core.axis import (
+    pieces_if_stacked,
     rearranged,
-    repeat_for_models,
+    repeat_models,
+    split_models,
     stack_models,
-    stacked_pieces,
 )
-from hftatf.validation import check_model_axis
+from hftatf.core.devices import compiling_with_xla
+from hftatf.core.validation import check_model_axis
+from hftatf.layers import registry
+from hftatf.layers.base import FusedLayer
+from hftatf.layers.kernels import add_bias_by_rows, as_one_sample, batch_matmul
 
 
 def products_models_first(input_shape, num_models, size_in, size_out,
@@ -66,7 +64,7 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
 
     * one model: the stock layer's computation on `x[:, 0]`;
     * inputs stacked by per-model layers, in a traced graph without XLA
-      (`stacked_pieces`): each model's stock product on its own piece,
+      (`pieces_if_stacked`): each model's stock product on its own piece,
       stacked, so that the stacked input is never computed;
     * inputs with the models first: one batched matmul of each model's
       rows, `[B, rows, in] @ [B, in, out]`, without a transpose (on
@@ -93,7 +91,7 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
     with the models first, and each transpose is the first or last op on
     the tensor it moves. So where one product's output goes straight into
     the next (a Dense with its activation into a Dense, a projection into
-    `fold_models_first`), TensorFlow's graph optimizer (and XLA) cancel the
+    attention's fold), TensorFlow's graph optimizer (and XLA) cancel the
     transpose back against the next transpose forth, in the gradients too:
     consecutive products keep the models-first layout without a copy.
     """
@@ -113,15 +111,15 @@ def per_model_matmul(inputs, kernel, bias=None, activation=None,
             None if bias is None else ops.reshape(bias, bias.shape[1:]),
             activation, kept, output_dims, stock_bias=True)
         return rearranged(lambda t: ops.expand_dims(t, axis), outputs)
-    pieces = None if compiling_with_xla() else stacked_pieces(
+    pieces = None if compiling_with_xla() else pieces_if_stacked(
         inputs, num_models, axis)
     if pieces is not None:
         # Stacked from B per-model tensors (a per-model layer's outputs):
         # each model's stock product on its own piece, restacked for the
         # next layer, which may read the pieces in turn. The stacked input
         # is then never computed, nor its gradient unstacked.
-        kernels = model_pieces(kernel, num_models, 0)
-        biases = (model_pieces(bias, num_models, 0) if bias is not None
+        kernels = split_models(kernel, num_models, 0)
+        biases = (split_models(bias, num_models, 0) if bias is not None
                   else [None] * num_models)
         return stack_models([
             _one_model_product(*arguments, activation, kept, output_dims)
@@ -393,7 +391,7 @@ class FusedDense(FusedLayer):
     def compute_mask(self, inputs, mask=None):
         if mask is not None and self.shared_input:
             # As BroadcastToModels gives a shared input's mask to every model.
-            mask = repeat_for_models(mask, self.num_models)
+            mask = repeat_models(mask, self.num_models)
             return ops.swapaxes(mask, 0, 1) if self.models_first else mask
         return mask
 
@@ -752,7 +750,7 @@ class FusedEinsumDense(FusedLayer):
     def products_models_first(self, input_shape):
         """Whether `call` on inputs of `input_shape` computes with the
         models first and ends with `per_model_matmul`'s transpose back,
-        which a following `fold_models_first` cancels."""
+        which a following `swap_model_axis` cancels."""
         if self._matmul is None:
             return False
         contracted, size_in, size_out, _ = self._matmul

@@ -25,16 +25,20 @@ from keras.src.backend.tensorflow.random import _cast_seed
 from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR, draw_seed
 
 from hftatf.api import hftatf_export
-from hftatf.layers import registry
-from hftatf.layers.base import (
-    ModelActivityRegularization,
-    model_pieces,
+from hftatf.core.axis import (
+    fold_models,
+    model_axis_of,
+    pieces_if_stacked,
     rearranged,
-    repeat_for_models,
+    repeat_models,
+    split_models,
     stack_models,
-    stacked_pieces,
+    swap_model_axis,
+    unfold_models,
 )
-from hftatf.validation import check_model_axis, check_num_models, model_axis_of
+from hftatf.core.validation import check_model_axis, check_num_models
+from hftatf.layers import registry
+from hftatf.layers.base import ModelActivityRegularization
 
 # Stock layers without weights that treat every sample on its own.
 PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
@@ -79,13 +83,8 @@ PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
 ))
 
 
-def fold_model_axis(x):
-    """`[batch, B, *s]` -> `[batch * B, *s]`."""
-    return ops.reshape(x, (-1, *ops.shape(x)[2:]))
-
-
 def fold_for_stock(x):
-    """`fold_model_axis` for a stock layer or a raw operation to compute
+    """`fold_models` for a stock layer or a raw operation to compute
     on: in a traced step, with the folded batch's static size left
     unknown.
 
@@ -99,39 +98,12 @@ def fold_for_stock(x):
     (Run eagerly, every shape is known: the shortcut stays, as it does in
     stock Keras where `batch` equals that dimension.)
     """
-    folded = fold_model_axis(x)
+    folded = fold_models(x)
     if (isinstance(folded, tf.Tensor) and not tf.executing_eagerly()
             and folded.shape.rank and folded.shape[0] is not None):
         return tf.compat.v1.placeholder_with_default(
             folded, [None, *folded.shape[1:]])
     return folded
-
-
-def unfold_model_axis(x, num_models):
-    """`[batch * B, *s]` -> `[batch, B, *s]`."""
-    return ops.reshape(x, (-1, num_models, *ops.shape(x)[1:]))
-
-
-def unfold_to_models_first(x, num_models):
-    """`[B * batch, *s]` -> `[B, batch, *s]`: the fold of activations with
-    the models first, undone."""
-    return ops.reshape(x, (num_models, -1, *ops.shape(x)[1:]))
-
-
-def fold_models_first(x):
-    """`[batch, B, *s]` -> `[B * batch, *s]`: the model axis moved first,
-    then folded. Applied to the output of a product computed with the
-    models first (`per_model_matmul`), the move cancels that product's
-    transpose back: no copy."""
-    return fold_model_axis(ops.swapaxes(x, 0, 1))
-
-
-def unfold_models_first(x, num_models):
-    """`[B * batch, *s]` -> `[batch, B, *s]`, the inverse of
-    `fold_models_first`; the move cancels against the transpose forth of
-    a following models-first product."""
-    return ops.swapaxes(
-        ops.reshape(x, (num_models, -1, *ops.shape(x)[1:])), 0, 1)
 
 
 # What to tell a user whose operation or `Lambda` mixes the samples.
@@ -369,11 +341,11 @@ def _dropout_models_first(layer, inputs, num_models, training):
     keep = ops.swapaxes(keep, 0, 1)
     scale = tf.convert_to_tensor(1 / (1 - layer.rate), dtype=inputs.dtype)
     zero = tf.zeros((), inputs.dtype)
-    pieces = stacked_pieces(inputs, num_models, 0)
+    pieces = pieces_if_stacked(inputs, num_models, 0)
     if pieces is None:
         return tf.where(keep, inputs * scale, zero)
     return stack_models([tf.where(k, piece * scale, zero) for k, piece in
-                         zip(model_pieces(keep, num_models, 0), pieces)], 0)
+                         zip(split_models(keep, num_models, 0), pieces)], 0)
 
 
 def _draws_models_first(layer):
@@ -400,9 +372,8 @@ def _fold_tensors(structure, name, num_models, models_first=False):
 
 
 def _unfold_tensors(structure, num_models, models_first=False):
-    unfold = unfold_to_models_first if models_first else unfold_model_axis
     return keras.tree.map_structure(
-        lambda y: rearranged(lambda t: unfold(t, num_models), y)
+        lambda y: unfold_models(y, num_models, models_first)
         if _is_tensor(y) else y, structure)
 
 
@@ -589,23 +560,23 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
                     *[self.layer(x, **kwargs) for x in per_model])
         if mask is not None and self.layer._call_has_mask_arg:
             kwargs["mask"] = keras.tree.map_structure(
-                lambda m: None if m is None else fold_model_axis(m), mask)
+                lambda m: None if m is None else fold_models(m), mask)
         outputs = self.layer(_fold_tensors(
             inputs, self.name, self.num_models, self.models_first), **kwargs)
         return self._unfold(outputs)
 
     def _per_model_inputs(self, inputs):
         """Model `b`'s inputs for every `b`, where an input was stacked by a
-        per-model layer (`stacked_pieces`) and the others can be sliced
+        per-model layer (`pieces_if_stacked`) and the others can be sliced
         without a copy (the models first, or stacked too); None
         otherwise."""
         axis = model_axis_of(self.models_first)
         tensors = keras.tree.flatten(inputs)
-        stacked = [stacked_pieces(t, self.num_models, axis) for t in tensors]
+        stacked = [pieces_if_stacked(t, self.num_models, axis) for t in tensors]
         if all(p is None for p in stacked) or (
                 axis != 0 and any(p is None for p in stacked)):
             return None
-        pieces = [model_pieces(t, self.num_models, axis) if p is None else p
+        pieces = [split_models(t, self.num_models, axis) if p is None else p
                   for t, p in zip(tensors, stacked)]
         return [keras.tree.pack_sequence_as(inputs, [p[b] for p in pieces])
                 for b in range(self.num_models)]
@@ -614,9 +585,9 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
         if not self.supports_masking and mask is None:
             return None
         folded_mask = None if mask is None else keras.tree.map_structure(
-            lambda m: None if m is None else fold_model_axis(m), mask)
+            lambda m: None if m is None else fold_models(m), mask)
         folded = self.layer.compute_mask(
-            keras.tree.map_structure(fold_model_axis, inputs), folded_mask)
+            keras.tree.map_structure(fold_models, inputs), folded_mask)
         if folded is None:
             return None
         return self._unfold(folded)
@@ -724,13 +695,11 @@ class BroadcastToModels(keras.layers.Layer):
         self.supports_masking = True
 
     def _repeat(self, tensor):
-        if self.models_first:
-            return ops.repeat(ops.expand_dims(tensor, 0), self.num_models,
-                              axis=0)
-        return repeat_for_models(tensor, self.num_models)
+        return repeat_models(tensor, self.num_models,
+                             model_axis_of(self.models_first))
 
     def call(self, inputs):
-        return rearranged(self._repeat, inputs)
+        return self._repeat(inputs)
 
     def compute_mask(self, inputs, mask=None):
         if mask is None:
@@ -774,7 +743,7 @@ class FoldModelAxis(keras.layers.Layer):
         return rearranged(fold_for_stock, inputs)
 
     def compute_mask(self, inputs, mask=None):
-        return None if mask is None else fold_model_axis(mask)
+        return None if mask is None else fold_models(mask)
 
     def compute_output_shape(self, input_shape):
         batch = input_shape[0]
@@ -800,11 +769,10 @@ class UnfoldModelAxis(keras.layers.Layer):
         self.supports_masking = True
 
     def call(self, inputs):
-        return rearranged(
-            lambda t: unfold_model_axis(t, self.num_models), inputs)
+        return unfold_models(inputs, self.num_models)
 
     def compute_mask(self, inputs, mask=None):
-        return None if mask is None else unfold_model_axis(
+        return None if mask is None else unfold_models(
             mask, self.num_models)
 
     def compute_output_shape(self, input_shape):
@@ -844,17 +812,10 @@ class SwapModelAxis(keras.layers.Layer):
             models_first)
 
     def call(self, inputs):
-        # A tensor stacked on one of the two axes (by a per-model layer, or
-        # from B copies of a shared one) is stacked on the other instead:
-        # a per-model layer then reads the pieces with no transpose at all.
-        for axis in (0, 1):
-            pieces = stacked_pieces(inputs, inputs.shape[axis], axis)
-            if pieces is not None:
-                return stack_models(pieces, 1 - axis)
-        return rearranged(lambda t: ops.swapaxes(t, 0, 1), inputs)
+        return swap_model_axis(inputs)
 
     def compute_mask(self, inputs, mask=None):
-        return None if mask is None else ops.swapaxes(mask, 0, 1)
+        return None if mask is None else swap_model_axis(mask)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[1], input_shape[0], *input_shape[2:])

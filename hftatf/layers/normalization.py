@@ -19,16 +19,12 @@ import numpy as np
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core.axis import pieces_if_stacked, stack_models
+from hftatf.core.devices import compiling_with_xla
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
-from hftatf.layers.base import (
-    FusedLayer,
-    as_one_sample,
-    batch_matmul,
-    compiling_with_xla,
-    stack_models,
-    stacked_pieces,
-)
-from hftatf.validation import check_model_axis
+from hftatf.layers.base import FusedLayer
+from hftatf.layers.kernels import as_one_sample, batch_matmul
 
 __all__ = [
     "FusedBatchNormalization",
@@ -478,11 +474,11 @@ class FusedBatchNormalization(AffineNormalization):
 
     def _pieces(self, inputs):
         """Each model's `[batch, ..., C]` where a per-model layer stacked
-        `inputs` from them (`stacked_pieces`): the stock layer's arithmetic
+        `inputs` from them (`pieces_if_stacked`): the stock layer's arithmetic
         then runs on each, with no stacked copy of the activations."""
         if not self._channels_last(inputs) or self.synchronized:
             return None
-        return stacked_pieces(inputs, self.num_models, self.model_axis)
+        return pieces_if_stacked(inputs, self.num_models, self.model_axis)
 
     def _normalize(self, inputs, mean, variance, gamma, beta):
         # The arithmetic of `tf.nn.batch_normalization`, which the stock

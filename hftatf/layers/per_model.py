@@ -19,7 +19,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
-from keras.src.backend import get_keras_mask, set_keras_mask
 from keras.src.layers.convolutional.base_conv import BaseConv
 from keras.src.layers.convolutional.base_conv_transpose import (
     BaseConvTranspose,
@@ -32,11 +31,11 @@ from keras.src.layers.convolutional.base_separable_conv import (
 )
 from tensorflow.python.trackable.resource import CapturableResource
 
-from hftatf import sparse
 from hftatf.api import hftatf_export
+from hftatf.core.axis import split_models, stack_models, take_model
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import objects, registry
-from hftatf.layers.base import FusedLayer, Modelwise, model_pieces, stack_models
-from hftatf.validation import check_model_axis
+from hftatf.layers.base import FusedLayer, Modelwise
 
 # Stock layers without weights that treat a batch as a whole: they mix its
 # samples (`MixUp`, `CutMix`), draw one transformation for all of them
@@ -525,7 +524,7 @@ class FusedPerModel(FusedLayer):
                                                 [p[b] for p in pieces])
                 if training is not None and layer._call_has_training_arg:
                     kwargs["training"] = training
-                mapping = ([(w, sparse.model_slice(v, b)
+                mapping = ([(w, take_model(v, b)
                              if id(w) in sparse_slices else v[b])
                             for w, v in zip(weights, values)]
                            + list(zip(states, carried)))
@@ -561,7 +560,7 @@ class FusedPerModel(FusedLayer):
         if any(losses):
             self.add_loss(ops.stack([_total(found) for found in losses]))
         return keras.tree.map_structure(
-            lambda *ys: _stacked_output(list(ys), axis), *outputs)
+            lambda *ys: stack_models(list(ys), axis), *outputs)
 
     def _pieces(self, tensor):
         """Each model's `tensor` (with its slice of the tensor's mask)."""
@@ -569,13 +568,7 @@ class FusedPerModel(FusedLayer):
             return [tensor] * self.num_models
         check_model_axis(self.name, self.num_models, tuple(tensor.shape),
                          self.model_axis)
-        slices = model_pieces(tensor, self.num_models, self.model_axis)
-        mask = get_keras_mask(tensor)
-        if mask is not None:
-            masks = model_pieces(mask, self.num_models, self.model_axis)
-            for piece, piece_mask in zip(slices, masks):
-                set_keras_mask(piece, piece_mask)
-        return slices
+        return split_models(tensor, self.num_models, self.model_axis)
 
     def compute_output_spec(self, inputs, stock_arguments=None,
                             training=None):
@@ -677,16 +670,6 @@ def _total(losses):
         return ops.zeros((), "float32")
     # Each summed, as Keras sums every added loss, whatever its shape.
     return sum(ops.sum(ops.cast(x, "float32")) for x in losses)
-
-
-def _stacked_output(pieces, axis):
-    """The models' outputs stacked on the model `axis`, with their masks
-    where the layer gave every model's output one."""
-    output = stack_models(pieces, axis)
-    masks = [get_keras_mask(p) for p in pieces]
-    if all(m is not None for m in masks):
-        set_keras_mask(output, stack_models(masks, axis))
-    return output
 
 
 class _ModelScope(keras.StatelessScope):

@@ -28,11 +28,11 @@ from keras.src.utils.argument_validation import (
 )
 
 from hftatf.api import hftatf_export
+from hftatf.core.axis import fold_models, unfold_models
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer, keep_stock_initializers
 from hftatf.layers.convolutional import channels_last, per_model_conv
-from hftatf.layers.fold import fold_model_axis, unfold_model_axis
-from hftatf.validation import check_model_axis
 
 __all__ = ["FusedConvLSTM1D", "FusedConvLSTM2D", "FusedConvLSTM3D",
            "FusedGRU", "FusedLSTM", "FusedRNN", "FusedSimpleRNN"]
@@ -556,7 +556,7 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
                 f"num_models, timesteps] (or [batch, timesteps] shared by "
                 f"all models) for inputs of shape {tuple(sequences.shape)}. "
                 f"Received a mask of shape {tuple(mask.shape)}.")
-        return fold_model_axis(mask)
+        return fold_models(mask)
 
     def _fold_initial_state(self, initial_state):
         states = keras.tree.flatten(initial_state)
@@ -574,7 +574,7 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
                     f"{self.state_layout} with num_models="
                     f"{self.num_models}. Received an initial state of shape "
                     f"{shape}.")
-        return [fold_model_axis(ops.convert_to_tensor(s)) for s in states]
+        return [fold_models(ops.convert_to_tensor(s)) for s in states]
 
     def call(self, sequences, initial_state=None, mask=None, training=False):
         # Checked on every call: a wrong model axis would otherwise fold
@@ -583,10 +583,10 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
         if initial_state is not None:
             initial_state = self._fold_initial_state(initial_state)
         outputs = super().call(
-            fold_model_axis(sequences), initial_state=initial_state,
+            fold_models(sequences), initial_state=initial_state,
             mask=self._fold_mask(mask, sequences), training=training)
         return keras.tree.map_structure(
-            lambda y: unfold_model_axis(y, self.num_models), outputs)
+            lambda y: unfold_models(y, self.num_models), outputs)
 
     def get_config(self):
         config = super().get_config()

@@ -14,10 +14,10 @@ import keras
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core.validation import check_model_axis, check_num_models
 from hftatf.layers import registry
 from hftatf.layers.base import ModelActivityRegularization, StackedInitializer
 from hftatf.layers.recurrent import FusedRecurrent
-from hftatf.validation import check_model_axis, check_num_models
 
 __all__ = ["FusedBidirectional", "FusedSpectralNormalization",
            "FusedTimeDistributed", "couples_batch"]
