@@ -11,8 +11,8 @@ from testing import assert_close, optimized_transposes
 
 import hftatf
 from hftatf.core import axis
-from hftatf.layers import dense, fold, kernels, normalization
-from hftatf.layers.fold import SwapModelAxis
+from hftatf.layers import SwapModelAxis, dense, fold, kernels
+from hftatf.layers.normalization import batch_normalization
 
 B = 3
 BATCH = 6
@@ -75,7 +75,7 @@ def chain_model(rate=0.3):
 
 def _without_pieces(monkeypatch):
     """The array's layers as they compute without reading pieces."""
-    for module in (axis, dense, fold, normalization):
+    for module in (axis, dense, fold, batch_normalization):
         monkeypatch.setattr(module, "pieces_if_stacked",
                             lambda *args, **kwargs: None)
 

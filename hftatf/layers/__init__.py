@@ -31,14 +31,13 @@ from hftatf.layers.convolutional import (
     FusedSeparableConv1D,
     FusedSeparableConv2D,
 )
-from hftatf.layers.dense import FusedDense, FusedEinsumDense
+from hftatf.layers.dense import FusedDense
+from hftatf.layers.einsum_dense import FusedEinsumDense
 from hftatf.layers.embedding import FusedEmbedding
-from hftatf.layers.fold import (
-    PER_SAMPLE_LAYERS,
+from hftatf.layers.fold import PER_SAMPLE_LAYERS, FusedFold, FusedRandomCrop
+from hftatf.layers.model_axis import (
     BroadcastToModels,
     FoldModelAxis,
-    FusedFold,
-    FusedRandomCrop,
     SwapModelAxis,
     UnfoldModelAxis,
 )

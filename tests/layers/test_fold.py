@@ -26,7 +26,8 @@ from hftatf.layers import (
     FusedRandomCrop,
     registry,
 )
-from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS, sample_mixing
+from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS
+from hftatf.layers.sample_mixing import sample_mixing
 
 NUM_MODELS = 3
 BATCH = 2

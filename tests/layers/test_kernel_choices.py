@@ -36,10 +36,10 @@ from hftatf.layers import (
     FusedLayerNormalization,
     FusedMultiHeadAttention,
     FusedSeparableConv2D,
-    convolutional,
     dense,
 )
 from hftatf.layers import kernels as layer_kernels
+from hftatf.layers.convolutional import base_conv
 
 BATCH = 4
 
@@ -392,7 +392,7 @@ def test_cpu_convolutions_match_stock(case, num_models, xla):
 @pytest.mark.parametrize("case", ["depthwise", "separable"])
 def test_accelerator_convolutions_match_stock(case, monkeypatch):
     # The folded forms GPUs and TPUs run, computed here by XLA on the CPU.
-    monkeypatch.setattr(convolutional, "runs_on_accelerator", lambda: True)
+    monkeypatch.setattr(base_conv, "runs_on_accelerator", lambda: True)
     stock_class, fused_class, kwargs = CONV_CASES[case]
     rng = np.random.default_rng(4)
     stock, fused = twins(stock_class, fused_class, (6, 6, 2), 3, rng,
