@@ -1,10 +1,11 @@
 """Fused layers: stock Keras layers vectorised over a model axis.
 
 Activations are `[batch, B, ...]`; weights are `[B, *stock weight shape]`.
-Importing a family module registers its fused forms (see `registry`).
+Importing a family module registers its fused forms (see `registry`);
+`resolve` decides which form a stock layer takes.
 """
 
-from hftatf.layers import registry
+from hftatf.layers import registry, resolve
 from hftatf.layers.activation import FusedActivityRegularization, FusedPReLU
 from hftatf.layers.applications import FusedLayerScale
 from hftatf.layers.attention import (
@@ -114,6 +115,7 @@ __all__ = [
     "PER_BATCH_LAYERS",
     "PER_SAMPLE_LAYERS",
     "registry",
+    "resolve",
     "SwapModelAxis",
     "UnfoldModelAxis",
 ]

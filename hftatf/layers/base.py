@@ -130,7 +130,43 @@ class ModelActivityRegularization:
         return ops.divide_no_nan(losses, batch_size)
 
 
-class FusedLayer(ModelActivityRegularization, keras.layers.Layer):
+class FusedForm:
+    """What `hftatf.layers.resolve` reads from every fused form: its kind
+    and the layouts it takes. Defaults of a fused layer of its own that
+    computes with the models second only.
+
+    `kind`: `"fused"` (a computation of its own), `"fold"` (the stock layer
+    on the models folded into the batch) or `"per_model"` (the stock layer
+    once per model).
+    """
+
+    kind = "fused"
+    supports_models_first = False
+    # Whether the layer computes faster with the models first, so that
+    # `hftatf.fuse` gives it that layout even from inputs without it.
+    prefers_models_first = False
+
+    @classmethod
+    def takes_models_first(cls, layer):
+        """Whether the fused form of the stock `layer` can compute with the
+        models first (`models_first=True`). Fused layers that can
+        override `supports_models_first` (and this, where it depends on the
+        stock layer's arguments)."""
+        del layer
+        return cls.supports_models_first
+
+    @classmethod
+    def fuses_shared_input(cls, layer):
+        """Whether the fused form of the stock `layer` can take one input
+        batch shared by all models (`shared_input=True`): the B models are
+        then one wide stock layer, and no copy of the input per model is
+        made. Fused layers that can override this."""
+        del layer
+        return False
+
+
+class FusedLayer(FusedForm, ModelActivityRegularization,
+                 keras.layers.Layer):
     """Base class of fused layers that hold weights.
 
     Subclasses take `num_models` plus exactly the arguments of their stock
@@ -158,11 +194,6 @@ class FusedLayer(ModelActivityRegularization, keras.layers.Layer):
             `trainable`, ...).
     """
 
-    supports_models_first = False
-    # Whether the layer computes faster with the models first, so that
-    # `hftatf.fuse` gives it that layout even from inputs without it.
-    prefers_models_first = False
-
     def __init__(self, num_models, activity_regularizer=None,
                  models_first=False, **kwargs):
         super().__init__(**kwargs)
@@ -183,15 +214,6 @@ class FusedLayer(ModelActivityRegularization, keras.layers.Layer):
         return model_axis_of(self.models_first)
 
     @classmethod
-    def takes_models_first(cls, layer):
-        """Whether the fused form of the stock `layer` can compute with the
-        models first (`models_first=True`). Fused layers that can
-        override `supports_models_first` (and this, where it depends on the
-        stock layer's arguments)."""
-        del layer
-        return cls.supports_models_first
-
-    @classmethod
     def from_stock(cls, layer, num_models, **kwargs):
         """Builds the fused form of the stock `layer` (weights not copied);
         `kwargs` are arguments of the fused form only (`shared_input`)."""
@@ -209,15 +231,6 @@ class FusedLayer(ModelActivityRegularization, keras.layers.Layer):
                     f"({type(layer).__name__}): {error.__context__}"
                 ) from None
             raise
-
-    @classmethod
-    def fuses_shared_input(cls, layer):
-        """Whether the fused form of the stock `layer` can take one input
-        batch shared by all models (`shared_input=True`): the B models are
-        then one wide stock layer, and no copy of the input per model is
-        made. Fused layers that can override this."""
-        del layer
-        return False
 
     def add_model_weight(self, shape, name, initializer, regularizer=None,
                          constraint=None, trainable=True, dtype=None,

@@ -30,7 +30,7 @@ from hftatf.core.axis import (
 )
 from hftatf.core.validation import check_model_axis, check_num_models
 from hftatf.layers import registry
-from hftatf.layers.base import ModelActivityRegularization
+from hftatf.layers.base import FusedForm, ModelActivityRegularization
 from hftatf.layers.sample_mixing import check_lambda_acts_per_sample
 
 # Stock layers without weights that treat every sample on its own.
@@ -210,7 +210,8 @@ def has_random_state(layer):
 
 @hftatf_export
 @registry.register(*PER_SAMPLE_LAYERS, *UNSEEDED_RANDOM_LAYERS)
-class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
+class FusedFold(FusedForm, ModelActivityRegularization,
+                keras.layers.Wrapper):
     """Applies a stock per-sample layer without weights to every model.
 
     Layout: each input `[batch, B, ...]` (the stock layer's input with a
@@ -236,6 +237,7 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
             defaults to the stock layer's.
     """
 
+    kind = "fold"
     prefers_models_first = False
 
     def __init__(self, layer, num_models, models_first=False,
@@ -434,6 +436,10 @@ class FusedRandomCrop(FusedFold):
 
     Layout and arguments: as `FusedFold`, wrapping a stock `RandomCrop`.
     """
+
+    # Each model crops its own window: a computation of its own, not the
+    # stock layer folded.
+    kind = "fused"
 
     @classmethod
     def takes_models_first(cls, layer):

@@ -210,6 +210,7 @@ class FusedPerModel(FusedLayer):
         **kwargs: the stock `keras.layers.Layer` arguments.
     """
 
+    kind = "per_model"
     supports_models_first = True
 
     def __init__(self, layer, num_models, shared_input=False,

@@ -15,8 +15,12 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core.validation import check_model_axis, check_num_models
-from hftatf.layers import registry
-from hftatf.layers.base import ModelActivityRegularization, StackedInitializer
+from hftatf.layers import registry, resolve
+from hftatf.layers.base import (
+    FusedForm,
+    ModelActivityRegularization,
+    StackedInitializer,
+)
 from hftatf.layers.recurrent import FusedRecurrent
 
 __all__ = ["FusedBidirectional", "FusedSpectralNormalization",
@@ -27,7 +31,7 @@ def _per_model_inner(*inner):
     """Why a stock wrapper of the `inner` layers has no fused form (one of
     them runs once per model, so the whole wrapper does), or None."""
     for layer in inner:
-        if registry.runs_per_model(layer):
+        if resolve.runs_per_model(layer):
             return (f"it wraps layer '{layer.name}' "
                     f"({type(layer).__name__}), which runs once per model")
     return None
@@ -52,7 +56,7 @@ def _check_inner(wrapper, role, layer, num_models):
 
 @hftatf_export
 @registry.register(keras.layers.TimeDistributed)
-class FusedTimeDistributed(ModelActivityRegularization,
+class FusedTimeDistributed(FusedForm, ModelActivityRegularization,
                            keras.layers.Wrapper):
     """`keras.layers.TimeDistributed` for an array of `num_models` models.
 
@@ -75,7 +79,7 @@ class FusedTimeDistributed(ModelActivityRegularization,
 
     Args:
         layer: a fused layer of `num_models` models (e.g. a `FusedDense`, or
-            any fused form from `hftatf.layers.registry.fuse_layer`).
+            any fused form from `hftatf.layers.resolve.fuse_layer`).
         num_models: the number of models `B` in the array.
     """
 
@@ -100,7 +104,7 @@ class FusedTimeDistributed(ModelActivityRegularization,
     def from_stock(cls, layer, num_models):
         """Fuses a stock `TimeDistributed`, its inner layer by the registry
         (weights not copied)."""
-        return cls(registry.fuse_layer(layer.layer, num_models), num_models,
+        return cls(resolve.fuse_layer(layer.layer, num_models), num_models,
                    activity_regularizer=layer.activity_regularizer,
                    name=layer.name, dtype=layer.dtype_policy,
                    trainable=layer.trainable)
@@ -200,7 +204,7 @@ class FusedTimeDistributed(ModelActivityRegularization,
 
 @hftatf_export
 @registry.register(keras.layers.Bidirectional)
-class FusedBidirectional(ModelActivityRegularization,
+class FusedBidirectional(FusedForm, ModelActivityRegularization,
                          keras.layers.Bidirectional):
     """`keras.layers.Bidirectional` for an array of `num_models` models.
 
@@ -262,9 +266,9 @@ class FusedBidirectional(ModelActivityRegularization,
         """Fuses a stock `Bidirectional`, its forward and backward layers by
         the registry (weights not copied)."""
         return cls(
-            registry.fuse_layer(layer.forward_layer, num_models), num_models,
+            resolve.fuse_layer(layer.forward_layer, num_models), num_models,
             merge_mode=layer.merge_mode,
-            backward_layer=registry.fuse_layer(layer.backward_layer,
+            backward_layer=resolve.fuse_layer(layer.backward_layer,
                                                num_models),
             activity_regularizer=layer.activity_regularizer,
             name=layer.name, dtype=layer.dtype_policy,
@@ -319,7 +323,7 @@ class FusedBidirectional(ModelActivityRegularization,
 
 @hftatf_export
 @registry.register(keras.layers.SpectralNormalization)
-class FusedSpectralNormalization(ModelActivityRegularization,
+class FusedSpectralNormalization(FusedForm, ModelActivityRegularization,
                                  keras.layers.Wrapper):
     """`keras.layers.SpectralNormalization` for an array of `num_models`
     models.
@@ -376,7 +380,7 @@ class FusedSpectralNormalization(ModelActivityRegularization,
         """Fuses a stock `SpectralNormalization`, its inner layer by the
         registry (weights not copied); `kwargs` (`shared_input`,
         `models_first`) go to the inner layer."""
-        return cls(registry.fuse_layer(layer.layer, num_models, **kwargs),
+        return cls(resolve.fuse_layer(layer.layer, num_models, **kwargs),
                    num_models, power_iterations=layer.power_iterations,
                    activity_regularizer=layer.activity_regularizer,
                    name=layer.name, dtype=layer.dtype_policy,
@@ -388,15 +392,15 @@ class FusedSpectralNormalization(ModelActivityRegularization,
 
     @classmethod
     def takes_models_first(cls, layer):
-        return registry.takes_models_first(layer.layer)
+        return resolve.takes_models_first(layer.layer)
 
     @classmethod
     def fuses_shared_input(cls, layer):
-        return registry.takes_shared_input(layer.layer)
+        return resolve.takes_shared_input(layer.layer)
 
     @classmethod
     def prefers_models_first(cls, layer):
-        return registry.prefers_models_first(layer.layer)
+        return resolve.prefers_models_first(layer.layer)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

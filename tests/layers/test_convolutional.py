@@ -34,7 +34,7 @@ from hftatf.layers import (
     FusedDepthwiseConv2D,
     FusedSeparableConv1D,
     FusedSeparableConv2D,
-    registry,
+    resolve,
 )
 from hftatf.layers.convolutional import base_conv
 
@@ -703,7 +703,7 @@ def test_signature_is_the_stock_one_plus_num_models(fused_class):
 
 @pytest.mark.parametrize("fused_class", list(STOCK), ids=lambda c: c.__name__)
 def test_registry_maps_stock_to_fused(fused_class):
-    assert registry.fused_form(STOCK[fused_class](
+    assert resolve.fused_form(STOCK[fused_class](
         **({"kernel_size": 2} if "Depthwise" in fused_class.__name__ else
            {"filters": 2, "kernel_size": 2}))) is fused_class
 

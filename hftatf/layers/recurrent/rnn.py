@@ -5,6 +5,7 @@ import keras
 
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
+from hftatf.layers.base import FusedForm
 from hftatf.layers.recurrent.base_rnn import (
     FusedRecurrent,
     cell_property,
@@ -193,7 +194,7 @@ class FusedGRU(FusedRecurrent):
 
 
 @registry.register(keras.layers.RNN)
-class FusedRNN:
+class FusedRNN(FusedForm):
     """Fuses `keras.layers.RNN(cell)` for a stock `SimpleRNNCell`,
     `LSTMCell` or `GRUCell`.
 
