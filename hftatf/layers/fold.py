@@ -15,11 +15,9 @@ layouts. A weightless layer that treats a batch as a whole (`MixUp`,
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src import utils
-from keras.src.backend.tensorflow.random import _cast_seed
-from keras.src.random.seed_generator import draw_seed
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.core.axis import (
     fold_models,
     model_axis_of,
@@ -99,14 +97,7 @@ def fold_for_stock(x):
     return folded
 
 
-def _stochastic_depth():
-    from keras.src.applications import convnext
-
-    return convnext.StochasticDepth
-
-
-# Per-sample random layers that draw without a SeedGenerator of their own.
-UNSEEDED_RANDOM_LAYERS = (_stochastic_depth(),)
+UNSEEDED_RANDOM_LAYERS = (compat.StochasticDepth,)
 
 
 def _dropout_models_first(layer, inputs, num_models, training):
@@ -125,7 +116,7 @@ def _dropout_models_first(layer, inputs, num_models, training):
         return inputs
     if layer.rate == 1.0:
         return tf.zeros_like(inputs)
-    seed = _cast_seed(draw_seed(layer.seed_generator))
+    seed = compat.draw_tf_seed(layer.seed_generator)
     shape = ops.shape(inputs)
     # The noise shape of the folded batch with the models second.
     folded = [shape[1] * num_models, *shape[2:]]
@@ -194,7 +185,7 @@ def copy_layer(layer):
         if layer.activity_regularizer is None:
             return layer
         return keras.layers.Lambda(
-            layer.function, output_shape=layer._output_shape,
+            layer.function, output_shape=compat.lambda_output_shape(layer),
             mask=layer.mask, arguments=layer.arguments, name=layer.name,
             dtype=layer.dtype_policy,
             activity_regularizer=layer.activity_regularizer)
@@ -304,7 +295,7 @@ class FusedFold(FusedForm, ModelActivityRegularization,
             layer, (keras.layers.Lambda, keras.layers.Masking)))
 
     def build(self, input_shape):
-        if not self.layer.built and utils.is_default(self.layer.build):
+        if not self.layer.built and compat.has_default_build(self.layer):
             # What the stock default `build` does, without its warning about
             # the sublayers a `Pipeline` builds on its first call.
             self.layer.built = True
@@ -345,7 +336,7 @@ class FusedFold(FusedForm, ModelActivityRegularization,
                                          training)
         kwargs = _fold_tensors(arguments, self.name, self.num_models,
                                self.models_first)
-        if self.layer._call_has_training_arg and training is not None:
+        if compat.call_takes_training(self.layer) and training is not None:
             kwargs["training"] = training
         if _no_mask(mask) and not has_random_state(self.layer) and (
                 not arguments):
@@ -357,7 +348,7 @@ class FusedFold(FusedForm, ModelActivityRegularization,
                     lambda *pieces: stack_models(
                         list(pieces), model_axis_of(self.models_first)),
                     *[self.layer(x, **kwargs) for x in per_model])
-        if mask is not None and self.layer._call_has_mask_arg:
+        if mask is not None and compat.call_takes_mask(self.layer):
             kwargs["mask"] = keras.tree.map_structure(
                 lambda m: None if m is None else fold_models(m), mask)
         outputs = self.layer(_fold_tensors(
@@ -458,7 +449,7 @@ class FusedRandomCrop(FusedFold):
             return super().call(inputs, training=training, mask=mask)
         check_model_axis(self.name, self.num_models, shape,
                          model_axis_of(self.models_first))
-        seed = layer._get_seed_generator(layer.backend._backend)
+        seed = compat.random_crop_seed_generator(layer)
         images = ops.cast(inputs, layer.compute_dtype)
         rank = len(shape)
         leading = tf.shape(images)[:2]

@@ -6,17 +6,8 @@ import contextlib
 
 import keras
 import tensorflow as tf
-from keras.src.layers.convolutional.base_conv import BaseConv
-from keras.src.layers.convolutional.base_conv_transpose import (
-    BaseConvTranspose,
-)
-from keras.src.layers.convolutional.base_depthwise_conv import (
-    BaseDepthwiseConv,
-)
-from keras.src.layers.convolutional.base_separable_conv import (
-    BaseSeparableConv,
-)
-from tensorflow.python.trackable.resource import CapturableResource
+
+from hftatf.core import compat
 
 
 def derives_state(layer):
@@ -56,17 +47,16 @@ def state_derived_in_calls(layers):
 def outside_state(layer):
     """A TensorFlow variable or resource that `layer` (or a layer inside
     it) holds outside Keras variables, or None."""
-    for inner in layer._flatten_layers(include_self=True):
+    for inner in compat.inner_layers(layer, include_self=True):
         for name, value in vars(inner).items():
-            if isinstance(value, (tf.Variable, CapturableResource)):
+            if isinstance(value, (tf.Variable, compat.CapturableResource)):
                 return f"'{inner.name}.{name}' ({type(value).__name__})"
     return None
 
 
 def is_stock_convolution(layer):
     """Whether `layer` is a stock Keras convolution of any family."""
-    return isinstance(layer, (BaseConv, BaseConvTranspose,
-                              BaseDepthwiseConv, BaseSeparableConv))
+    return isinstance(layer, compat.STOCK_CONVOLUTIONS)
 
 
 def set_trainable(layer, value):
@@ -79,12 +69,12 @@ def set_trainable(layer, value):
 def trainable_flags(layer):
     """The `trainable` flags of `layer` and of the layers inside it, outer
     layers first: what its config does not carry (only its own)."""
-    return [inner.trainable for inner in layer._flatten_layers()]
+    return [inner.trainable for inner in compat.inner_layers(layer)]
 
 
 def set_trainable_flags(layer, flags):
     """Gives the built `layer` the `trainable_flags` of a copy of it."""
-    inner = layer._flatten_layers()
+    inner = compat.inner_layers(layer)
     if len(inner) != len(flags):
         raise ValueError(
             f"Layer '{layer.name}' ({type(layer).__name__}) holds "

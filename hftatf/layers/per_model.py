@@ -20,6 +20,7 @@ import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.core.axis import split_models, stack_models, take_model
 from hftatf.core.validation import check_model_axis
 from hftatf.layers import objects, registry
@@ -77,7 +78,7 @@ def layers_inside(layers):
     """The layers run per model among `layers`, and every layer inside
     them (stock layers, not fused forms)."""
     return [inner for layer in layers if isinstance(layer, FusedPerModel)
-            for inner in layer.layer._flatten_layers(include_self=True)]
+            for inner in compat.inner_layers(layer.layer, include_self=True)]
 
 
 def copy_layer(layer):
@@ -247,7 +248,7 @@ class FusedPerModel(FusedLayer):
         Found by tracing one model's call in training, once built."""
         if not self.built:
             return any(isinstance(inner, keras.layers.SpectralNormalization)
-                       for inner in self.layer._flatten_layers())
+                       for inner in compat.inner_layers(self.layer))
         return any(self._stacked[i].trainable for i in self._assigned)
 
     def _weights_assigned_in_training(self):
@@ -270,7 +271,7 @@ class FusedPerModel(FusedLayer):
 
     @property
     def trainable(self):
-        return self._trainable
+        return keras.layers.Layer.trainable.fget(self)
 
     @trainable.setter
     def trainable(self, value):
@@ -378,7 +379,7 @@ class FusedPerModel(FusedLayer):
                     f"{outside} outside Keras variables, which would be one "
                     "state for all models. Create its state with "
                     "`add_weight`.")
-            self._derived = [inner for inner in template._flatten_layers()
+            self._derived = [inner for inner in compat.inner_layers(template)
                              if derives_state(inner)]
             underived = [inner.name for inner in self._derived
                          if not derives_state_by_ops(inner)]
@@ -393,7 +394,7 @@ class FusedPerModel(FusedLayer):
             for index, weight in enumerate(template.weights):
                 self._stacked.append(self._stack_weight(
                     weight, [copy.weights[index] for copy in copies]))
-            stateful = [inner.name for inner in template._flatten_layers()
+            stateful = [inner.name for inner in compat.inner_layers(template)
                         if getattr(inner, "stateful", False)]
             if stateful:
                 # Its states are variables outside the layer's weights,
@@ -457,7 +458,7 @@ class FusedPerModel(FusedLayer):
         # and multiplied in another), whose calls' gradients TensorFlow
         # adds: a dense one of `[B, ...]` to a sparse one of the rows; nor
         # for a regularized weight, whose penalty's gradient is dense.
-        sparse_slices = set() if len(self._inbound_nodes) > 1 else {
+        sparse_slices = set() if len(compat.inbound_nodes(self)) > 1 else {
             id(w) for w in weights if w.trainable and len(w.shape) > 0
             and getattr(w, "regularizer", None) is None}
         states = _random_states(layer)
@@ -470,7 +471,7 @@ class FusedPerModel(FusedLayer):
             for b in range(self.num_models):
                 args, kwargs = filled_arguments(stock_arguments,
                                                 [p[b] for p in pieces])
-                if training is not None and layer._call_has_training_arg:
+                if training is not None and compat.call_takes_training(layer):
                     kwargs["training"] = training
                 mapping = ([(w, take_model(v, b)
                              if id(w) in sparse_slices else v[b])
@@ -530,7 +531,7 @@ class FusedPerModel(FusedLayer):
 
         args, kwargs = filled_arguments(
             stock_arguments, [per_model(t) for t in inputs])
-        if training is not None and self.layer._call_has_training_arg:
+        if training is not None and compat.call_takes_training(self.layer):
             kwargs["training"] = training
         spec = self.layer.compute_output_spec(*args, **kwargs)
 

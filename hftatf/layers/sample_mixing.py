@@ -8,8 +8,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
-from keras.src.backend.common import global_state
-from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR
+
+from hftatf.core import compat
 
 # Stock layers without weights that treat every sample on its own.
 
@@ -180,7 +180,7 @@ def _random_state_kept():
     and Keras's global seed generator, which unseeded draws advance) as it
     was: probing must not change what the layers fused after it draw."""
     python_state = random.getstate()
-    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
+    generator = compat.global_seed_generator()
     seed_state = None if generator is None else ops.convert_to_numpy(
         generator.state)
     try:
@@ -188,7 +188,7 @@ def _random_state_kept():
     finally:
         random.setstate(python_state)
         if generator is None:
-            global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
+            compat.reset_global_seed_generator()
         else:
             generator.state.assign(seed_state)
 
@@ -197,7 +197,7 @@ def check_lambda_acts_per_sample(layer):
     """Refuses the stock `Lambda` `layer` where its function reaches across
     the batch axis (`sample_mixing`, at every call of the layer in a
     graph): folded over the models, it would mix their samples."""
-    for node in layer._inbound_nodes:
+    for node in compat.inbound_nodes(layer):
         mixing = sample_mixing(
             layer.call, layer.compute_output_spec,
             (node.arguments.args, node.arguments.kwargs))

@@ -14,6 +14,7 @@ import keras
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.core.validation import check_model_axis, check_num_models
 from hftatf.layers import registry, resolve
 from hftatf.layers.base import (
@@ -42,7 +43,7 @@ def couples_batch(layer):
     than sample by sample: a trainable layer in it holds non-trainable
     weights of its own (a batch normalization's moving statistics)."""
     return any(inner.trainable and inner._non_trainable_variables
-               for inner in layer._flatten_layers(include_self=True))
+               for inner in compat.inner_layers(layer, include_self=True))
 
 
 def _check_inner(wrapper, role, layer, num_models):
@@ -154,7 +155,7 @@ class FusedTimeDistributed(FusedForm, ModelActivityRegularization,
         if steps is None:
             steps = ops.shape(inputs)[2]
         kwargs = {}
-        if self.layer._call_has_mask_arg and mask is not None:
+        if compat.call_takes_mask(self.layer) and mask is not None:
             if len(mask.shape) < 3:
                 raise ValueError(
                     f"Layer '{self.name}' expects a mask of shape [batch, "
@@ -162,7 +163,7 @@ class FusedTimeDistributed(FusedForm, ModelActivityRegularization,
                     f"{tuple(mask.shape)} for inputs of shape "
                     f"{tuple(inputs.shape)}.")
             kwargs["mask"] = mask
-        if self.layer._call_has_training_arg:
+        if compat.call_takes_training(self.layer):
             kwargs["training"] = training
         if training and couples_batch(self.layer):
             return self._call_per_step(inputs, kwargs)
@@ -279,9 +280,9 @@ class FusedBidirectional(FusedForm, ModelActivityRegularization,
         # stock one flips axis 1, which is the model axis here) and that the
         # stock cuDNN shortcuts do not apply.
         kwargs = {}
-        if self.forward_layer._call_has_training_arg:
+        if compat.call_takes_training(self.forward_layer):
             kwargs["training"] = training
-        if self.forward_layer._call_has_mask_arg:
+        if compat.call_takes_mask(self.forward_layer):
             kwargs["mask"] = mask
         forward_state = backward_state = None
         if initial_state is not None:

@@ -4,17 +4,9 @@ import math
 
 import keras
 from keras import ops
-from keras.src.backend import get_keras_mask, set_keras_mask
-
-# The stock equation builders: using them keeps the fused weights' shapes
-# and the order of attention axes exactly those of the stock layer.
-from keras.src.layers.attention.multi_head_attention import (
-    _build_attention_equation,
-    _build_proj_equation,
-    _get_output_shape,
-)
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.layers import registry
 from hftatf.layers.attention.base_attention import FusedAttentionBase
 
@@ -167,11 +159,12 @@ class FusedMultiHeadAttention(FusedAttentionBase):
             value_shape, [heads, self._value_dim], "value")
         self._build_attention(len(value_shape))
         output_shape = self._output_shape or [query_shape[-1]]
-        equation, bias_axes, output_rank = _build_proj_equation(
+        equation, bias_axes, output_rank = compat.build_proj_equation(
             len(query_shape) - 2, bound_dims=2,
             output_dims=len(output_shape))
         self._output_dense = self._dense(
-            equation, _get_output_shape(output_rank - 1, output_shape),
+            equation,
+            compat.projection_output_shape(output_rank - 1, output_shape),
             bias_axes, "attention_output")
         dense_input_shape = list(
             self._query_dense.compute_output_shape(query_shape))
@@ -179,10 +172,11 @@ class FusedMultiHeadAttention(FusedAttentionBase):
         self._output_dense.build(tuple(dense_input_shape))
 
     def _projection(self, input_shape, last_dims, name, activation=None):
-        equation, bias_axes, output_rank = _build_proj_equation(
+        equation, bias_axes, output_rank = compat.build_proj_equation(
             len(input_shape) - 2, bound_dims=1, output_dims=2)
         dense = self._dense(
-            equation, _get_output_shape(output_rank - 1, last_dims),
+            equation,
+            compat.projection_output_shape(output_rank - 1, last_dims),
             bias_axes, name, activation)
         dense.build(input_shape)
         return dense
@@ -196,7 +190,7 @@ class FusedMultiHeadAttention(FusedAttentionBase):
             self._attention_axes = tuple(
                 axis if axis >= 0 else (rank - 1) + axis
                 for axis in self._attention_axes)
-        dot_product, combine, scores_rank = _build_attention_equation(
+        dot_product, combine, scores_rank = compat.build_attention_equation(
             rank, attn_axes=self._attention_axes)
         self._dot_product_equation = dot_product
         self._combine_equation = combine
@@ -211,10 +205,10 @@ class FusedMultiHeadAttention(FusedAttentionBase):
             key = value
         # As in the stock layer: the query's own Keras mask, and no masks
         # left on the inputs for the projections to warn about.
-        query_mask = get_keras_mask(query)
-        set_keras_mask(query, None)
-        set_keras_mask(value, None)
-        set_keras_mask(key, None)
+        query_mask = compat.get_keras_mask(query)
+        compat.set_keras_mask(query, None)
+        compat.set_keras_mask(value, None)
+        compat.set_keras_mask(key, None)
         num_axes = len(self._attention_axes)
         attention_mask = self._model_attention_mask(attention_mask, query,
                                                     num_axes)
@@ -239,7 +233,7 @@ class FusedMultiHeadAttention(FusedAttentionBase):
             attention_output = ops.multiply(attention_output, gate)
         attention_output = self._output_dense(attention_output)
         if query_mask is not None:
-            set_keras_mask(attention_output, query_mask)
+            compat.set_keras_mask(attention_output, query_mask)
         if return_attention_scores:
             return attention_output, attention_scores
         return attention_output

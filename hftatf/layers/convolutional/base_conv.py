@@ -60,11 +60,8 @@ back). Folded kernels move the models next to the channels either way.
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.utils.argument_validation import (
-    standardize_padding,
-    standardize_tuple,
-)
 
+from hftatf.core import compat
 from hftatf.core.axis import map_models, split_models, stack_models
 from hftatf.core.devices import runs_on_accelerator
 from hftatf.core.validation import check_model_axis
@@ -213,9 +210,10 @@ class FusedConvolutionBase(FusedLayer):
         super().__init__(
             num_models, activity_regularizer=activity_regularizer, **kwargs)
         self.rank = rank
-        self.kernel_size = standardize_tuple(kernel_size, rank, "kernel_size")
-        self.strides = standardize_tuple(strides, rank, "strides")
-        self.dilation_rate = standardize_tuple(
+        self.kernel_size = compat.standardize_tuple(
+            kernel_size, rank, "kernel_size")
+        self.strides = compat.standardize_tuple(strides, rank, "strides")
+        self.dilation_rate = compat.standardize_tuple(
             dilation_rate, rank, "dilation_rate")
         if not isinstance(padding, str):
             allowed = "'valid', 'same' or 'causal'" if allow_causal else (
@@ -226,7 +224,8 @@ class FusedConvolutionBase(FusedLayer):
                 f"padding={padding!r}. Pad explicitly with a ZeroPadding "
                 "layer and use padding='valid'."
             )
-        self.padding = standardize_padding(padding, allow_causal=allow_causal)
+        self.padding = compat.standardize_padding(
+            padding, allow_causal=allow_causal)
         self.data_format = channels_last(type(self).__name__, data_format)
         self.activation = keras.activations.get(activation)
         self.use_bias = use_bias

@@ -3,9 +3,9 @@ logic; each rank is a docstring and a constructor)."""
 
 import keras
 from keras import ops
-from keras.src.ops.operation_utils import compute_conv_output_shape
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.layers import registry
 from hftatf.layers.convolutional.base_conv import (
     FusedConvolutionBase,
@@ -167,7 +167,7 @@ class FusedBaseConv(FusedConvolutionBase):
     def compute_output_shape(self, input_shape):
         per_model = (tuple(input_shape) if self.shared_input
                      else self._per_model_shape(input_shape))
-        return self._fused_shape(compute_conv_output_shape(
+        return self._fused_shape(compat.compute_conv_output_shape(
             per_model, self.filters,
             self.kernel_size, strides=self.strides, padding=self.padding,
             data_format=self.data_format, dilation_rate=self.dilation_rate))

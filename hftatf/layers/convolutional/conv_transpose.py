@@ -3,14 +3,9 @@
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.backend.common.backend_utils import (
-    compute_conv_transpose_output_shape,
-)
-from keras.src.utils.argument_validation import (
-    standardize_tuple,
-)
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.layers import registry
 from hftatf.layers.convolutional.base_conv import (
     FusedConvolutionBase,
@@ -73,7 +68,7 @@ class FusedBaseConvTranspose(FusedConvolutionBase):
             activity_regularizer=activity_regularizer, **kwargs)
         self.filters = filters
         self.output_padding = None if output_padding is None else (
-            standardize_tuple(output_padding, rank, "output_padding",
+            compat.standardize_tuple(output_padding, rank, "output_padding",
                               allow_zero=True))
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
@@ -124,7 +119,7 @@ class FusedBaseConvTranspose(FusedConvolutionBase):
         `conv_transpose` computes it for one model."""
         shape = [size if size is not None else tf.shape(inputs)[i]
                  for i, size in enumerate(inputs.shape)]
-        output_shape = compute_conv_transpose_output_shape(
+        output_shape = compat.compute_conv_transpose_output_shape(
             shape, self.kernel_size, self.num_models * self.filters,
             self.strides, self.padding, self.output_padding,
             self.data_format, self.dilation_rate)
@@ -133,11 +128,12 @@ class FusedBaseConvTranspose(FusedConvolutionBase):
             padding=self.padding.upper(), dilations=self.dilation_rate)
 
     def compute_output_shape(self, input_shape):
-        return self._fused_shape(tuple(compute_conv_transpose_output_shape(
+        shape = compat.compute_conv_transpose_output_shape(
             self._per_model_shape(input_shape), self.kernel_size,
             self.filters, strides=self.strides, padding=self.padding,
             output_padding=self.output_padding, data_format=self.data_format,
-            dilation_rate=self.dilation_rate)))
+            dilation_rate=self.dilation_rate)
+        return self._fused_shape(tuple(shape))
 
     def get_config(self):
         config = super().get_config()

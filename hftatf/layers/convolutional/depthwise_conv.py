@@ -2,9 +2,9 @@
 
 import keras
 from keras import ops
-from keras.src.ops.operation_utils import compute_conv_output_shape
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.layers import registry
 from hftatf.layers.convolutional.base_conv import (
     FusedConvolutionBase,
@@ -94,7 +94,7 @@ class FusedBaseDepthwiseConv(FusedConvolutionBase):
         return self._activate(self._unfold(self._add_folded_bias(outputs)))
 
     def compute_output_shape(self, input_shape):
-        return self._fused_shape(compute_conv_output_shape(
+        return self._fused_shape(compat.compute_conv_output_shape(
             self._per_model_shape(input_shape),
             self.depth_multiplier * input_shape[-1], self.kernel_size,
             strides=self.strides, padding=self.padding,

@@ -2,9 +2,9 @@
 
 import keras
 from keras import ops
-from keras.src.ops.operation_utils import compute_conv_output_shape
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.layers import registry
 from hftatf.layers.convolutional.base_conv import (
     FusedConvolutionBase,
@@ -133,7 +133,7 @@ class FusedBaseSeparableConv(FusedConvolutionBase):
         return self._activate(outputs)
 
     def compute_output_shape(self, input_shape):
-        return self._fused_shape(compute_conv_output_shape(
+        return self._fused_shape(compat.compute_conv_output_shape(
             self._per_model_shape(input_shape), self.filters,
             self.kernel_size, strides=self.strides, padding=self.padding,
             data_format=self.data_format, dilation_rate=self.dilation_rate))

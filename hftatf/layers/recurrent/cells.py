@@ -2,8 +2,8 @@
 
 import keras
 from keras import ops
-from keras.src.layers.rnn.dropout_rnn_cell import DropoutRNNCell
 
+from hftatf.core import compat
 from hftatf.layers.base import FusedLayer
 
 
@@ -48,7 +48,7 @@ class UnitForgetBias(keras.initializers.Initializer):
         return cls(initializer, config["units"])
 
 
-class FusedRecurrentCell(FusedLayer, DropoutRNNCell):
+class FusedRecurrentCell(FusedLayer, compat.DropoutRNNCell):
     """Base class of the fused cells: one time step of B models.
 
     Layout (folded, as the stock RNN loop sees it): step input

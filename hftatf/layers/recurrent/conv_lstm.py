@@ -2,14 +2,9 @@
 
 import keras
 from keras import ops
-from keras.src.layers.rnn import conv_lstm
-from keras.src.ops.operation_utils import compute_conv_output_shape
-from keras.src.utils.argument_validation import (
-    standardize_padding,
-    standardize_tuple,
-)
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
 from hftatf.layers import registry
 from hftatf.layers.convolutional import channels_last, per_model_conv
 from hftatf.layers.recurrent.base_rnn import FusedRecurrent, cell_property
@@ -37,12 +32,13 @@ class FusedConvLSTMCell(FusedLSTMCell):
         super().__init__(num_models, filters, implementation=1, **kwargs)
         self.rank = rank
         self.filters = filters
-        self.kernel_size = standardize_tuple(kernel_size, rank, "kernel_size")
-        self.strides = standardize_tuple(strides, rank, "strides",
+        self.kernel_size = compat.standardize_tuple(
+            kernel_size, rank, "kernel_size")
+        self.strides = compat.standardize_tuple(strides, rank, "strides",
                                          allow_zero=True)
-        self.padding = standardize_padding(padding)
+        self.padding = compat.standardize_padding(padding)
         self.data_format = channels_last(type(self).__name__, data_format)
-        self.dilation_rate = standardize_tuple(
+        self.dilation_rate = compat.standardize_tuple(
             dilation_rate, rank, "dilation_rate")
         if max(self.strides) > 1 and max(self.dilation_rate) > 1:
             raise ValueError(
@@ -107,7 +103,7 @@ class FusedConvLSTMCell(FusedLSTMCell):
             self.recurrent_kernel, self._convolution(1, "same", 1))
 
     def compute_output_shape(self, inputs_shape, states_shape=None):
-        output = compute_conv_output_shape(
+        output = compat.compute_conv_output_shape(
             inputs_shape, self.filters, self.kernel_size,
             strides=self.strides, padding=self.padding,
             data_format="channels_last", dilation_rate=self.dilation_rate)
@@ -210,7 +206,7 @@ class FusedConvLSTM(FusedRecurrent):
         return 3 + self.rank
 
     def compute_output_shape(self, sequences_shape, initial_state_shape=None):
-        shapes = conv_lstm.ConvLSTM.compute_output_shape(
+        shapes = compat.ConvLSTM.compute_output_shape(
             self, self._fold_shape(sequences_shape))
         if self.return_state:
             return tuple(self._unfold_shape(s) for s in shapes)
