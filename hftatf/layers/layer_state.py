@@ -72,9 +72,15 @@ def trainable_flags(layer):
     return [inner.trainable for inner in compat.inner_layers(layer)]
 
 
-def set_trainable_flags(layer, flags):
-    """Gives the built `layer` the `trainable_flags` of a copy of it."""
+def set_trainable_flags(layer, flags, strict=True):
+    """Gives the built `layer` the `trainable_flags` of a copy of it (or of
+    a layer of its architecture). Where their numbers of inner layers
+    differ (a fused layer's own against a stock layer's), raises with
+    `strict`, else sets the layer's own flag, `flags[0]`, only."""
     inner = compat.inner_layers(layer)
+    if len(inner) != len(flags) and not strict:
+        set_trainable(layer, flags[0])
+        return
     if len(inner) != len(flags):
         raise ValueError(
             f"Layer '{layer.name}' ({type(layer).__name__}) holds "
