@@ -29,7 +29,7 @@ from hftatf.rewrite import (
     check_no_custom_steps,
     check_no_weights_shared_into_per_model_layers,
 )
-from hftatf.validation import check_num_models
+from hftatf.core.validation import check_num_models
 
 LAYOUTS = ("auto", "batch_first", "models_first")
 

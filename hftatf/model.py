@@ -28,7 +28,7 @@ from hftatf.training.divergence import ModelStatus
 from hftatf.training.losses import PerModelMean, clone_metrics  # noqa: F401
 from hftatf.training.surgery import set_trainable_flags, trainable_flags
 from hftatf.training.trainer import Trainer
-from hftatf.validation import check_num_models
+from hftatf.core.validation import check_num_models
 
 
 def _backups_last(callbacks):

@@ -137,31 +137,3 @@ def offset(gradient, start, count):
     array's weight: its indices moved by `start` models."""
     rows = ops.cast(gradient.dense_shape[0], gradient.indices.dtype) // count
     return gradient.indices + ops.cast(start, gradient.indices.dtype) * rows
-
-
-def model_slice(stacked, index):
-    """`stacked[index]`, model `index`'s slice of a `[B, ...]` tensor (a
-    weight's value), whose gradient stays sparse: a sparse gradient of the
-    slice (a stock `tf.gather`'s on it, e.g. an `Embedding` run per model)
-    becomes the same rows of the weight, `index * R` further (`R` rows per
-    model, as above), where slicing would make it dense."""
-    num_models = stacked.shape[0]
-
-    @tf.custom_gradient
-    def slice_(stacked):
-        def gradient(upstream):
-            if not is_sparse(upstream):
-                return tf.pad(upstream[None], [[index, num_models - index - 1]]
-                              + [[0, 0]] * len(upstream.shape))
-            dense_shape = tf.cast(upstream.dense_shape, "int64")
-            rows = dense_shape[0]
-            return tf.IndexedSlices(
-                upstream.values,
-                upstream.indices + tf.cast(index * rows,
-                                           upstream.indices.dtype),
-                dense_shape=tf.concat([[num_models * rows],
-                                       dense_shape[1:]], 0))
-
-        return tf.identity(stacked[index]), gradient
-
-    return slice_(stacked)

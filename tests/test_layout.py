@@ -46,7 +46,7 @@ def _stock_and_fused(stock_class, shape, rng, num_models=B, **config):
                            if "variance" not in w.path else
                            rng.uniform(0.5, 2.0, w.shape).astype("float32")
                            for w in layer.weights])
-    form = fused_layers.registry.fused_form(stock[0])
+    form = fused_layers.resolve.fused_form(stock[0])
     fused = form.from_stock(stock[0], num_models, models_first=True)
     wrapped = ModelsFirst(fused)
     wrapped.build((shape[0], num_models, *shape[1:]))
@@ -55,7 +55,7 @@ def _stock_and_fused(stock_class, shape, rng, num_models=B, **config):
 
 
 def registry_fused(layer, models_first):
-    return fused_layers.registry.fuse_layer(layer, B,
+    return fused_layers.resolve.fuse_layer(layer, B,
                                             models_first=models_first)
 
 
@@ -206,7 +206,7 @@ def test_dropout_with_models_first_outside_training_and_at_rate_one():
 
 
 def test_only_dropouts_that_draw_per_sample_or_batch_take_the_models_first():
-    takes = fused_layers.registry.takes_models_first
+    takes = fused_layers.resolve.takes_models_first
     assert takes(keras.layers.Dropout(0.5))
     assert takes(keras.layers.Dropout(0.5, noise_shape=(1, None)))
     assert not takes(keras.layers.Dropout(0.5, noise_shape=(4, None)))

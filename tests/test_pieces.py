@@ -10,8 +10,9 @@ from keras import ops
 from testing import assert_close, optimized_transposes
 
 import hftatf
-from hftatf.layers import base, dense, fold, normalization
-from hftatf.layers.fold import SwapModelAxis
+from hftatf.core import axis
+from hftatf.layers import SwapModelAxis, dense, fold, kernels
+from hftatf.layers.normalization import batch_normalization
 
 B = 3
 BATCH = 6
@@ -23,13 +24,13 @@ def test_stacked_pieces_are_the_stacked_tensors_in_a_graph():
     @tf.function
     def trace(x, y, z):
         stacked = tf.stack([x, y, z], axis=1)
-        found["axis 1"] = base.stacked_pieces(stacked, 3, 1)
-        found["axis 0"] = base.stacked_pieces(stacked, 3, 0)
-        found["two models"] = base.stacked_pieces(stacked, 2, 1)
-        found["copy"] = base.stacked_pieces(tf.identity(stacked), 3, 1)
-        found["negative axis"] = base.stacked_pieces(
+        found["axis 1"] = axis.pieces_if_stacked(stacked, 3, 1)
+        found["axis 0"] = axis.pieces_if_stacked(stacked, 3, 0)
+        found["two models"] = axis.pieces_if_stacked(stacked, 2, 1)
+        found["copy"] = axis.pieces_if_stacked(tf.identity(stacked), 3, 1)
+        found["negative axis"] = axis.pieces_if_stacked(
             tf.stack([x, y, z], axis=-2), 3, 1)
-        found["pieces"] = base.model_pieces(stacked, 3, 1)
+        found["pieces"] = axis.split_models(stacked, 3, 1)
         return stacked
 
     x, y, z = (tf.fill((BATCH, 2), float(v)) for v in range(3))
@@ -45,11 +46,11 @@ def test_stacked_pieces_are_the_stacked_tensors_in_a_graph():
 
 def test_eager_tensors_are_sliced():
     stacked = tf.stack([tf.fill((BATCH, 2), float(v)) for v in range(B)])
-    assert base.stacked_pieces(stacked, B, 0) is None
-    pieces = base.model_pieces(stacked, B, 0)
+    assert axis.pieces_if_stacked(stacked, B, 0) is None
+    pieces = axis.split_models(stacked, B, 0)
     for b, piece in enumerate(pieces):
         np.testing.assert_array_equal(piece, np.full((BATCH, 2), b))
-    one = base.model_pieces(stacked[:1], 1, 0)
+    one = axis.split_models(stacked[:1], 1, 0)
     assert len(one) == 1 and tuple(one[0].shape) == (BATCH, 2)
 
 
@@ -74,8 +75,8 @@ def chain_model(rate=0.3):
 
 def _without_pieces(monkeypatch):
     """The array's layers as they compute without reading pieces."""
-    for module in (base, dense, fold, normalization):
-        monkeypatch.setattr(module, "stacked_pieces",
+    for module in (axis, dense, fold, batch_normalization):
+        monkeypatch.setattr(module, "pieces_if_stacked",
                             lambda *args, **kwargs: None)
 
 
@@ -203,14 +204,11 @@ def test_swapping_a_stacked_tensor_stacks_it_on_the_other_axis():
 
 
 def test_the_losses_take_each_model_output_as_it_was_computed():
-    from hftatf import model as model_module
-
     found = {}
 
     @tf.function
     def split(*pieces):
-        found["slices"] = model_module._unstack_models(
-            tf.stack(pieces, axis=1), B)
+        found["slices"] = axis.split_models(tf.stack(pieces, axis=1), B)
         return found["slices"]
 
     pieces = [tf.fill((BATCH, 2), float(b)) for b in range(B)]
@@ -293,7 +291,7 @@ def test_biases_summed_over_rows_train_as_added_ones(outputs_shape,
     rng = np.random.default_rng(11)
     outputs = tf.constant(rng.standard_normal(outputs_shape), "float32")
     bias = tf.constant(rng.standard_normal(bias_shape), "float32")
-    assert base.bias_rows(outputs, bias, models) == rows
+    assert kernels.bias_rows(outputs, bias, models) == rows
     # Summed by rows where they are found, TensorFlow's own sum elsewhere.
     weights = tf.constant(rng.standard_normal(outputs_shape), "float32")
 
@@ -304,7 +302,7 @@ def test_biases_summed_over_rows_train_as_added_ones(outputs_shape,
             loss = ops.sum(function(outputs, bias) * weights)
         return tape.gradient(loss, [outputs, bias])
 
-    ours = gradients(lambda x, b: base.add_bias_by_rows(x, b, models))
+    ours = gradients(lambda x, b: kernels.add_bias_by_rows(x, b, models))
     theirs = gradients(lambda x, b: x + b)
     for value, expected in zip(ours, theirs):
         assert tuple(value.shape) == tuple(expected.shape)

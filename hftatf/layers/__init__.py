@@ -1,10 +1,11 @@
 """Fused layers: stock Keras layers vectorised over a model axis.
 
 Activations are `[batch, B, ...]`; weights are `[B, *stock weight shape]`.
-Importing a family module registers its fused forms (see `registry`).
+Importing a family module registers its fused forms (see `registry`);
+`resolve` decides which form a stock layer takes.
 """
 
-from hftatf.layers import registry
+from hftatf.layers import registry, resolve
 from hftatf.layers.activation import FusedActivityRegularization, FusedPReLU
 from hftatf.layers.applications import FusedLayerScale
 from hftatf.layers.attention import (
@@ -31,14 +32,13 @@ from hftatf.layers.convolutional import (
     FusedSeparableConv1D,
     FusedSeparableConv2D,
 )
-from hftatf.layers.dense import FusedDense, FusedEinsumDense
+from hftatf.layers.dense import FusedDense
+from hftatf.layers.einsum_dense import FusedEinsumDense
 from hftatf.layers.embedding import FusedEmbedding
-from hftatf.layers.fold import (
-    PER_SAMPLE_LAYERS,
+from hftatf.layers.fold import PER_SAMPLE_LAYERS, FusedFold, FusedRandomCrop
+from hftatf.layers.model_axis import (
     BroadcastToModels,
     FoldModelAxis,
-    FusedFold,
-    FusedRandomCrop,
     SwapModelAxis,
     UnfoldModelAxis,
 )
@@ -115,6 +115,7 @@ __all__ = [
     "PER_BATCH_LAYERS",
     "PER_SAMPLE_LAYERS",
     "registry",
+    "resolve",
     "SwapModelAxis",
     "UnfoldModelAxis",
 ]

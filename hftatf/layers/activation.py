@@ -7,9 +7,9 @@ into the batch (`hftatf.layers.fold`); only `PReLU` learns a weight.
 import keras
 
 from hftatf.api import hftatf_export
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
-from hftatf.validation import check_model_axis
 
 __all__ = ["FusedActivityRegularization", "FusedPReLU"]
 

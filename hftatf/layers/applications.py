@@ -1,23 +1,23 @@
 """Fused forms of the layers that `keras.applications` defines itself."""
 
 import keras
-from keras.src.applications import convnext, inception_resnet_v2
 
 from hftatf.api import hftatf_export
+from hftatf.core import compat
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.fold import FusedFold
-from hftatf.validation import check_model_axis
 
 # InceptionResNetV2's residual merge, `inputs[0] + inputs[1] * scale`: no
 # weights, each sample on its own, so it folds like a stock merge.
-registry.register(inception_resnet_v2.CustomScaleLayer)(FusedFold)
+registry.register(compat.CustomScaleLayer)(FusedFold)
 
 __all__ = ["FusedLayerScale"]
 
 
 @hftatf_export
-@registry.register(convnext.LayerScale)
+@registry.register(compat.LayerScale)
 class FusedLayerScale(FusedLayer):
     """ConvNeXt's `LayerScale` for an array: a learned per-channel scale.
 
@@ -29,7 +29,7 @@ class FusedLayerScale(FusedLayer):
     Args:
         num_models: the number of models `B` in the array.
         init_values, projection_dim: as in
-            `keras.applications.convnext.LayerScale`.
+            `keras.applications.compat.LayerScale`.
     """
 
     def __init__(self, num_models, init_values, projection_dim, **kwargs):

@@ -8,9 +8,10 @@ import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
+from hftatf.core.devices import compiling_with_xla
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
-from hftatf.layers.base import FusedLayer, compiling_with_xla
-from hftatf.validation import check_model_axis
+from hftatf.layers.base import FusedLayer
 
 __all__ = ["FusedEmbedding"]
 

@@ -12,29 +12,24 @@ layouts. A weightless layer that treats a batch as a whole (`MixUp`,
 `RandAugment`) runs once per model instead (`FusedPerModel`).
 """
 
-import contextlib
-import random
-
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import ops
-from keras.src import utils
-from keras.src.backend.common import global_state
-from keras.src.backend.tensorflow.random import _cast_seed
-from keras.src.random.seed_generator import GLOBAL_SEED_GENERATOR, draw_seed
 
 from hftatf.api import hftatf_export
-from hftatf.layers import registry
-from hftatf.layers.base import (
-    ModelActivityRegularization,
-    model_pieces,
-    rearranged,
-    repeat_for_models,
+from hftatf.core import compat
+from hftatf.core.axis import (
+    fold_models,
+    model_axis_of,
+    pieces_if_stacked,
+    split_models,
     stack_models,
-    stacked_pieces,
+    unfold_models,
 )
-from hftatf.validation import check_model_axis, check_num_models, model_axis_of
+from hftatf.core.validation import check_model_axis, check_num_models
+from hftatf.layers import registry
+from hftatf.layers.base import FusedForm, ModelActivityRegularization
+from hftatf.layers.sample_mixing import check_lambda_acts_per_sample
 
 # Stock layers without weights that treat every sample on its own.
 PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
@@ -79,13 +74,8 @@ PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
 ))
 
 
-def fold_model_axis(x):
-    """`[batch, B, *s]` -> `[batch * B, *s]`."""
-    return ops.reshape(x, (-1, *ops.shape(x)[2:]))
-
-
 def fold_for_stock(x):
-    """`fold_model_axis` for a stock layer or a raw operation to compute
+    """`fold_models` for a stock layer or a raw operation to compute
     on: in a traced step, with the folded batch's static size left
     unknown.
 
@@ -99,7 +89,7 @@ def fold_for_stock(x):
     (Run eagerly, every shape is known: the shortcut stays, as it does in
     stock Keras where `batch` equals that dimension.)
     """
-    folded = fold_model_axis(x)
+    folded = fold_models(x)
     if (isinstance(folded, tf.Tensor) and not tf.executing_eagerly()
             and folded.shape.rank and folded.shape[0] is not None):
         return tf.compat.v1.placeholder_with_default(
@@ -107,237 +97,7 @@ def fold_for_stock(x):
     return folded
 
 
-def unfold_model_axis(x, num_models):
-    """`[batch * B, *s]` -> `[batch, B, *s]`."""
-    return ops.reshape(x, (-1, num_models, *ops.shape(x)[1:]))
-
-
-def unfold_to_models_first(x, num_models):
-    """`[B * batch, *s]` -> `[B, batch, *s]`: the fold of activations with
-    the models first, undone."""
-    return ops.reshape(x, (num_models, -1, *ops.shape(x)[1:]))
-
-
-def fold_models_first(x):
-    """`[batch, B, *s]` -> `[B * batch, *s]`: the model axis moved first,
-    then folded. Applied to the output of a product computed with the
-    models first (`per_model_matmul`), the move cancels that product's
-    transpose back: no copy."""
-    return fold_model_axis(ops.swapaxes(x, 0, 1))
-
-
-def unfold_models_first(x, num_models):
-    """`[B * batch, *s]` -> `[batch, B, *s]`, the inverse of
-    `fold_models_first`; the move cancels against the transpose forth of
-    a following models-first product."""
-    return ops.swapaxes(
-        ops.reshape(x, (num_models, -1, *ops.shape(x)[1:])), 0, 1)
-
-
-# What to tell a user whose operation or `Lambda` mixes the samples.
-PER_SAMPLE_ADVICE = (
-    "Folded over the models, it would mix the models' samples. Compute it "
-    "per sample, or in a layer of its own (hftatf runs a layer without a "
-    "fused form once per model, on that model's batch: "
-    "hftatf.layers.FusedPerModel).")
-
-# The shape probe's batch sizes: two, so that a size taken from the batch
-# shows as one that changes.
-_SHAPE_PROBE_BATCHES = (7, 11)
-# The size the value probe gives axes of unknown size, and the most values
-# it draws (beyond, it cannot tell cheaply).
-_VALUE_PROBE_SIZE = 5
-_VALUE_PROBE_LIMIT = 2**24
-
-
-def sample_mixing(call, output_spec, arguments):
-    """How `call` reaches across the batch axis, in words, or None where it
-    treats every sample on its own, as a computation folded over the models
-    must (a raw `keras.ops` node, a `Lambda`'s function).
-
-    Two probes, each refusing nothing where it cannot tell:
-
-    * shapes: `output_spec` (the call's `compute_output_spec`) at two batch
-      sizes; every output must keep that batch size first and its other
-      axes (a transpose, an `einsum` or an index of the batch axis, a
-      reshape of the whole batch fail). A spec that fails tells nothing.
-    * values: `call` on a batch of two random float samples, then with
-      either sample drawn anew; the other sample's result must not
-      change. Inputs that are not float (indices, masks), a call that
-      fails and a call that draws random numbers (two calls differ:
-      dropout, noise) tell nothing.
-
-    Args:
-        call: the computation, called as `call(*args, **kwargs)`.
-        output_spec: its `compute_output_spec`, called alike.
-        arguments: `(args, kwargs)` of the stock call, with a
-            `keras.KerasTensor` of the stock shape (batch first) for every
-            tensor.
-    """
-    return (_shape_mixing(output_spec, arguments)
-            or _value_mixing(call, arguments))
-
-
-def _with_batch(arguments, batch):
-    """`arguments` with every `keras.KerasTensor` given the batch size
-    `batch`."""
-    def resize(x):
-        if isinstance(x, keras.KerasTensor) and x.shape:
-            return keras.KerasTensor((batch, *x.shape[1:]), dtype=x.dtype,
-                                     sparse=x.sparse)
-        return x
-
-    return keras.tree.map_structure(resize, arguments)
-
-
-def _shape_mixing(output_spec, arguments):
-    """The shape probe of `sample_mixing`."""
-    found = []
-    for batch in _SHAPE_PROBE_BATCHES:
-        args, kwargs = _with_batch(arguments, batch)
-        try:
-            spec = output_spec(*args, **kwargs)
-        except Exception:
-            # A spec that cannot take the probe tells nothing.
-            return None
-        shapes = [tuple(t.shape) for t in keras.tree.flatten(spec)
-                  if isinstance(t, keras.KerasTensor)]
-        for shape in shapes:
-            if not shape or shape[0] not in (batch, None):
-                return (f"does not keep the batch axis first: on a batch of "
-                        f"{batch} it returns shape {shape}")
-        found.append(shapes)
-    small, large = found
-    if [s[1:] for s in small] != [s[1:] for s in large]:
-        return (f"sizes other axes of its output by the batch: it returns "
-                f"shape {small[0] if len(small) == 1 else small} on a batch "
-                f"of {_SHAPE_PROBE_BATCHES[0]} and "
-                f"{large[0] if len(large) == 1 else large} on a batch of "
-                f"{_SHAPE_PROBE_BATCHES[1]}")
-    return None
-
-
-def _value_mixing(call, arguments):
-    """The value probe of `sample_mixing`: on a batch of two random
-    samples, then with either sample drawn anew, the other sample's result
-    must stay (a batch of one size throughout, so that a `squeeze` of axes
-    of size one does what it does in the stock model)."""
-    tensors = [x for x in keras.tree.flatten(arguments)
-               if isinstance(x, keras.KerasTensor)]
-    if not tensors or not tf.executing_eagerly() or any(
-            not x.shape or x.sparse or not keras.backend.is_float_dtype(
-                x.dtype) for x in tensors):
-        return None
-    # Three random samples of each input, of both signs.
-    shapes = [(3, *(_VALUE_PROBE_SIZE if d is None else d
-                    for d in x.shape[1:])) for x in tensors]
-    if sum(int(np.prod(shape)) for shape in shapes) > _VALUE_PROBE_LIMIT:
-        return None
-    rng = np.random.default_rng(0)
-    draws = [rng.random(shape, dtype=np.float32) * 4 - 2 for shape in shapes]
-
-    def run(samples):
-        """`call` on the batch of the drawn `samples` of every input."""
-        values = iter([ops.convert_to_tensor(draw[samples], dtype=x.dtype)
-                       for x, draw in zip(tensors, draws)])
-        args, kwargs = keras.tree.map_structure(
-            lambda x: next(values) if isinstance(x, keras.KerasTensor)
-            else x, arguments)
-        return [ops.convert_to_numpy(y if keras.backend.standardize_dtype(
-            y.dtype) == "float64" else ops.cast(y, "float32"))
-                for y in keras.tree.flatten(call(*args, **kwargs))
-                if ops.is_tensor(y)]
-
-    # Sample 0 with sample 1 drawn anew, and sample 1 with sample 0.
-    kept = {0: [0, 2], 1: [2, 1]}
-    with _random_state_kept():
-        try:
-            outputs = run([0, 1])
-            if not _all_close(outputs, run([0, 1]), tensors):
-                # It draws random numbers: nothing to compare.
-                return None
-            changed = {i: run(samples) for i, samples in kept.items()}
-        except Exception:
-            # A call that cannot take random inputs tells nothing.
-            return None
-    for output in outputs:
-        if output.ndim == 0 or output.shape[0] != 2:
-            return (f"does not keep the batch axis first: on a batch of 2 "
-                    f"it returns shape {tuple(output.shape)}")
-    for i, others in changed.items():
-        if not _all_close([y[i] for y in others], [y[i] for y in outputs],
-                          tensors):
-            return (f"computes a sample's result from the other samples of "
-                    f"its batch too (on random inputs, sample {i}'s result "
-                    f"changes where the other sample of its batch of 2 "
-                    f"changes)")
-    return None
-
-
-def _all_close(ours, theirs, tensors):
-    """Whether the outputs `ours` and `theirs` agree to the precision of
-    the inputs `tensors`, relative to each output's largest value."""
-    half = any(keras.backend.standardize_dtype(x.dtype) in (
-        "float16", "bfloat16") for x in tensors)
-    rtol = 1e-2 if half else 1e-5
-    if len(ours) != len(theirs):
-        return False
-    for a, b in zip(ours, theirs):
-        if a.shape != b.shape:
-            return False
-        if np.array_equal(a, b, equal_nan=True):
-            continue
-        finite = np.abs(b[np.isfinite(b)])
-        scale = finite.max() if finite.size and finite.max() > 0 else 1.0
-        if not np.allclose(a, b, rtol=0, atol=rtol * scale, equal_nan=True):
-            return False
-    return True
-
-
-@contextlib.contextmanager
-def _random_state_kept():
-    """Leaves the random state that a probe's calls may draw from (Python's,
-    and Keras's global seed generator, which unseeded draws advance) as it
-    was: probing must not change what the layers fused after it draw."""
-    python_state = random.getstate()
-    generator = global_state.get_global_attribute(GLOBAL_SEED_GENERATOR)
-    seed_state = None if generator is None else ops.convert_to_numpy(
-        generator.state)
-    try:
-        yield
-    finally:
-        random.setstate(python_state)
-        if generator is None:
-            global_state.set_global_attribute(GLOBAL_SEED_GENERATOR, None)
-        else:
-            generator.state.assign(seed_state)
-
-
-def check_lambda_acts_per_sample(layer):
-    """Refuses the stock `Lambda` `layer` where its function reaches across
-    the batch axis (`sample_mixing`, at every call of the layer in a
-    graph): folded over the models, it would mix their samples."""
-    for node in layer._inbound_nodes:
-        mixing = sample_mixing(
-            layer.call, layer.compute_output_spec,
-            (node.arguments.args, node.arguments.kwargs))
-        if mixing:
-            raise ValueError(
-                f"hftatf cannot fuse layer '{layer.name}' (Lambda): its "
-                f"function {mixing}. A Lambda, like a raw operation, runs "
-                "on the samples of all models folded into one batch, so its "
-                "function must treat every sample on its own. "
-                f"{PER_SAMPLE_ADVICE}")
-
-
-def _stochastic_depth():
-    from keras.src.applications import convnext
-
-    return convnext.StochasticDepth
-
-
-# Per-sample random layers that draw without a SeedGenerator of their own.
-UNSEEDED_RANDOM_LAYERS = (_stochastic_depth(),)
+UNSEEDED_RANDOM_LAYERS = (compat.StochasticDepth,)
 
 
 def _dropout_models_first(layer, inputs, num_models, training):
@@ -356,7 +116,7 @@ def _dropout_models_first(layer, inputs, num_models, training):
         return inputs
     if layer.rate == 1.0:
         return tf.zeros_like(inputs)
-    seed = _cast_seed(draw_seed(layer.seed_generator))
+    seed = compat.draw_tf_seed(layer.seed_generator)
     shape = ops.shape(inputs)
     # The noise shape of the folded batch with the models second.
     folded = [shape[1] * num_models, *shape[2:]]
@@ -369,11 +129,11 @@ def _dropout_models_first(layer, inputs, num_models, training):
     keep = ops.swapaxes(keep, 0, 1)
     scale = tf.convert_to_tensor(1 / (1 - layer.rate), dtype=inputs.dtype)
     zero = tf.zeros((), inputs.dtype)
-    pieces = stacked_pieces(inputs, num_models, 0)
+    pieces = pieces_if_stacked(inputs, num_models, 0)
     if pieces is None:
         return tf.where(keep, inputs * scale, zero)
     return stack_models([tf.where(k, piece * scale, zero) for k, piece in
-                         zip(model_pieces(keep, num_models, 0), pieces)], 0)
+                         zip(split_models(keep, num_models, 0), pieces)], 0)
 
 
 def _draws_models_first(layer):
@@ -400,9 +160,8 @@ def _fold_tensors(structure, name, num_models, models_first=False):
 
 
 def _unfold_tensors(structure, num_models, models_first=False):
-    unfold = unfold_to_models_first if models_first else unfold_model_axis
     return keras.tree.map_structure(
-        lambda y: rearranged(lambda t: unfold(t, num_models), y)
+        lambda y: unfold_models(y, num_models, models_first)
         if _is_tensor(y) else y, structure)
 
 
@@ -426,7 +185,7 @@ def copy_layer(layer):
         if layer.activity_regularizer is None:
             return layer
         return keras.layers.Lambda(
-            layer.function, output_shape=layer._output_shape,
+            layer.function, output_shape=compat.lambda_output_shape(layer),
             mask=layer.mask, arguments=layer.arguments, name=layer.name,
             dtype=layer.dtype_policy,
             activity_regularizer=layer.activity_regularizer)
@@ -442,7 +201,8 @@ def has_random_state(layer):
 
 @hftatf_export
 @registry.register(*PER_SAMPLE_LAYERS, *UNSEEDED_RANDOM_LAYERS)
-class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
+class FusedFold(FusedForm, ModelActivityRegularization,
+                keras.layers.Wrapper):
     """Applies a stock per-sample layer without weights to every model.
 
     Layout: each input `[batch, B, ...]` (the stock layer's input with a
@@ -468,6 +228,7 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
             defaults to the stock layer's.
     """
 
+    kind = "fold"
     prefers_models_first = False
 
     def __init__(self, layer, num_models, models_first=False,
@@ -534,7 +295,7 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
             layer, (keras.layers.Lambda, keras.layers.Masking)))
 
     def build(self, input_shape):
-        if not self.layer.built and utils.is_default(self.layer.build):
+        if not self.layer.built and compat.has_default_build(self.layer):
             # What the stock default `build` does, without its warning about
             # the sublayers a `Pipeline` builds on its first call.
             self.layer.built = True
@@ -575,7 +336,7 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
                                          training)
         kwargs = _fold_tensors(arguments, self.name, self.num_models,
                                self.models_first)
-        if self.layer._call_has_training_arg and training is not None:
+        if compat.call_takes_training(self.layer) and training is not None:
             kwargs["training"] = training
         if _no_mask(mask) and not has_random_state(self.layer) and (
                 not arguments):
@@ -587,25 +348,25 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
                     lambda *pieces: stack_models(
                         list(pieces), model_axis_of(self.models_first)),
                     *[self.layer(x, **kwargs) for x in per_model])
-        if mask is not None and self.layer._call_has_mask_arg:
+        if mask is not None and compat.call_takes_mask(self.layer):
             kwargs["mask"] = keras.tree.map_structure(
-                lambda m: None if m is None else fold_model_axis(m), mask)
+                lambda m: None if m is None else fold_models(m), mask)
         outputs = self.layer(_fold_tensors(
             inputs, self.name, self.num_models, self.models_first), **kwargs)
         return self._unfold(outputs)
 
     def _per_model_inputs(self, inputs):
         """Model `b`'s inputs for every `b`, where an input was stacked by a
-        per-model layer (`stacked_pieces`) and the others can be sliced
+        per-model layer (`pieces_if_stacked`) and the others can be sliced
         without a copy (the models first, or stacked too); None
         otherwise."""
         axis = model_axis_of(self.models_first)
         tensors = keras.tree.flatten(inputs)
-        stacked = [stacked_pieces(t, self.num_models, axis) for t in tensors]
+        stacked = [pieces_if_stacked(t, self.num_models, axis) for t in tensors]
         if all(p is None for p in stacked) or (
                 axis != 0 and any(p is None for p in stacked)):
             return None
-        pieces = [model_pieces(t, self.num_models, axis) if p is None else p
+        pieces = [split_models(t, self.num_models, axis) if p is None else p
                   for t, p in zip(tensors, stacked)]
         return [keras.tree.pack_sequence_as(inputs, [p[b] for p in pieces])
                 for b in range(self.num_models)]
@@ -614,9 +375,9 @@ class FusedFold(ModelActivityRegularization, keras.layers.Wrapper):
         if not self.supports_masking and mask is None:
             return None
         folded_mask = None if mask is None else keras.tree.map_structure(
-            lambda m: None if m is None else fold_model_axis(m), mask)
+            lambda m: None if m is None else fold_models(m), mask)
         folded = self.layer.compute_mask(
-            keras.tree.map_structure(fold_model_axis, inputs), folded_mask)
+            keras.tree.map_structure(fold_models, inputs), folded_mask)
         if folded is None:
             return None
         return self._unfold(folded)
@@ -667,6 +428,10 @@ class FusedRandomCrop(FusedFold):
     Layout and arguments: as `FusedFold`, wrapping a stock `RandomCrop`.
     """
 
+    # Each model crops its own window: a computation of its own, not the
+    # stock layer folded.
+    kind = "fused"
+
     @classmethod
     def takes_models_first(cls, layer):
         # Each model draws the same window in either layout.
@@ -684,7 +449,7 @@ class FusedRandomCrop(FusedFold):
             return super().call(inputs, training=training, mask=mask)
         check_model_axis(self.name, self.num_models, shape,
                          model_axis_of(self.models_first))
-        seed = layer._get_seed_generator(layer.backend._backend)
+        seed = compat.random_crop_seed_generator(layer)
         images = ops.cast(inputs, layer.compute_dtype)
         rank = len(shape)
         leading = tf.shape(images)[:2]
@@ -704,163 +469,14 @@ class FusedRandomCrop(FusedFold):
         return images
 
 
-@hftatf_export
-class BroadcastToModels(keras.layers.Layer):
-    """Gives every model of the array the same input batch.
-
-    Layout: input `[batch, ...]` (shared by all models) -> output
-    `[batch, B, ...]` (`[B, batch, ...]` with `models_first=True`). No
-    weights. `hftatf.fuse` inserts it where a shared input first meets a
-    layer that needs per-model activations; in the backward pass the models'
-    gradients are summed, as they should be for a shared input.
-    """
-
-    def __init__(self, num_models, models_first=False, **kwargs):
-        # It moves values and never casts them: a float32 tensor of a
-        # mixed-precision model stays float32.
-        super().__init__(autocast=False, **kwargs)
-        self.num_models = check_num_models(num_models)
-        self.models_first = bool(models_first)
-        self.supports_masking = True
-
-    def _repeat(self, tensor):
-        if self.models_first:
-            return ops.repeat(ops.expand_dims(tensor, 0), self.num_models,
-                              axis=0)
-        return repeat_for_models(tensor, self.num_models)
-
-    def call(self, inputs):
-        return rearranged(self._repeat, inputs)
-
-    def compute_mask(self, inputs, mask=None):
-        if mask is None:
-            return None
-        return self._repeat(mask)
-
-    def compute_output_shape(self, input_shape):
-        if self.models_first:
-            return (self.num_models, *input_shape)
-        return (input_shape[0], self.num_models, *input_shape[1:])
-
-    def get_config(self):
-        config = super().get_config()
-        config["num_models"] = self.num_models
-        if self.models_first:
-            config["models_first"] = True
-        return config
-
-
-@hftatf_export
-class FoldModelAxis(keras.layers.Layer):
-    """`[batch, B, ...]` -> `[batch * B, ...]`: the models' samples side by
-    side in one batch, for an operation that treats every sample alike.
-
-    `hftatf.fuse` puts raw `keras.ops` nodes of a functional model (e.g.
-    `ops.tanh(x)`, `ops.concatenate([a, b], axis=-1)`) between a
-    `FoldModelAxis` and an `UnfoldModelAxis`, so the operation runs once for
-    all models with its axis arguments unchanged. An operation that reduces
-    or indexes the batch axis would mix the models; write it as a layer.
-    """
-
-    def __init__(self, num_models, **kwargs):
-        # It moves values and never casts them: a float32 tensor of a
-        # mixed-precision model stays float32.
-        super().__init__(autocast=False, **kwargs)
-        self.num_models = check_num_models(num_models)
-        self.supports_masking = True
-
-    def call(self, inputs):
-        check_model_axis(self.name, self.num_models, tuple(inputs.shape))
-        return rearranged(fold_for_stock, inputs)
-
-    def compute_mask(self, inputs, mask=None):
-        return None if mask is None else fold_model_axis(mask)
-
-    def compute_output_shape(self, input_shape):
-        batch = input_shape[0]
-        return (None if batch is None else batch * self.num_models,
-                *input_shape[2:])
-
-    def get_config(self):
-        config = super().get_config()
-        config["num_models"] = self.num_models
-        return config
-
-
-@hftatf_export
-class UnfoldModelAxis(keras.layers.Layer):
-    """`[batch * B, ...]` -> `[batch, B, ...]`, the inverse of
-    `FoldModelAxis`."""
-
-    def __init__(self, num_models, **kwargs):
-        # It moves values and never casts them: a float32 tensor of a
-        # mixed-precision model stays float32.
-        super().__init__(autocast=False, **kwargs)
-        self.num_models = check_num_models(num_models)
-        self.supports_masking = True
-
-    def call(self, inputs):
-        return rearranged(
-            lambda t: unfold_model_axis(t, self.num_models), inputs)
-
-    def compute_mask(self, inputs, mask=None):
-        return None if mask is None else unfold_model_axis(
-            mask, self.num_models)
-
-    def compute_output_shape(self, input_shape):
-        batch = input_shape[0]
-        return (None if batch is None else batch // self.num_models,
-                self.num_models, *input_shape[1:])
-
-    def get_config(self):
-        config = super().get_config()
-        config["num_models"] = self.num_models
-        return config
-
-
-@hftatf_export
-class SwapModelAxis(keras.layers.Layer):
-    """`[batch, B, ...]` <-> `[B, batch, ...]`: swaps the batch and model
-    axes (and those of a mask), moving activations into or out of the
-    models-first layout.
-
-    `hftatf.fuse` inserts it where a tensor with the models first meets a
-    layer that computes with them second (a layer normalization,
-    an output of the array), or the reverse. No weights.
-
-    Args:
-        models_first: the layout of the output: True for `[B, batch, ...]`
-            (moving into the models-first layout), False for `[batch, B,
-            ...]`, None where not known (the swap is the same either way;
-            `hftatf.passes` reads it to size one model's activations).
-    """
-
-    def __init__(self, models_first=None, **kwargs):
-        # It moves values and never casts them: a float32 tensor of a
-        # mixed-precision model stays float32.
-        super().__init__(autocast=False, **kwargs)
-        self.supports_masking = True
-        self.models_first = None if models_first is None else bool(
-            models_first)
-
-    def call(self, inputs):
-        # A tensor stacked on one of the two axes (by a per-model layer, or
-        # from B copies of a shared one) is stacked on the other instead:
-        # a per-model layer then reads the pieces with no transpose at all.
-        for axis in (0, 1):
-            pieces = stacked_pieces(inputs, inputs.shape[axis], axis)
-            if pieces is not None:
-                return stack_models(pieces, 1 - axis)
-        return rearranged(lambda t: ops.swapaxes(t, 0, 1), inputs)
-
-    def compute_mask(self, inputs, mask=None):
-        return None if mask is None else ops.swapaxes(mask, 0, 1)
-
-    def compute_output_shape(self, input_shape):
-        return (input_shape[1], input_shape[0], *input_shape[2:])
-
-    def get_config(self):
-        config = super().get_config()
-        if self.models_first is not None:
-            config["models_first"] = self.models_first
-        return config
+# re-exported until callers move
+from hftatf.layers.model_axis import (  # noqa: E402, F401
+    BroadcastToModels,
+    FoldModelAxis,
+    SwapModelAxis,
+    UnfoldModelAxis,
+)
+from hftatf.layers.sample_mixing import (  # noqa: E402, F401
+    PER_SAMPLE_ADVICE,
+    sample_mixing,
+)

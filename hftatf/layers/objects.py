@@ -16,6 +16,8 @@ import types
 
 import keras
 
+from hftatf.core import compat
+
 __all__ = ["all_layers", "live_lambdas", "live_objects", "scope"]
 
 # How deep `live_objects` looks into the objects a layer holds (a layer's
@@ -119,7 +121,7 @@ def all_layers(layers):
         wrapped = getattr(layer, "layer", None)
         if isinstance(wrapped, keras.layers.Layer):
             stack.append(wrapped)
-        stack.extend(layer._flatten_layers(include_self=False))
+        stack.extend(compat.inner_layers(layer, include_self=False))
 
 
 def live_lambdas(config, layers):
@@ -145,8 +147,9 @@ def live_lambdas(config, layers):
                  if node.get("class_name") == "Lambda"
                  and isinstance(inner, dict) else None)
         if layer is not None:
+            output_shape = compat.lambda_output_shape(layer)
             for key, function in (("function", layer.function),
-                                  ("output_shape", layer._output_shape)):
+                                  ("output_shape", output_shape)):
                 entry = inner.get(key)
                 if (isinstance(entry, dict) and callable(function)
                         and entry.get("class_name") == "__lambda__"):

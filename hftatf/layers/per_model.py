@@ -12,31 +12,28 @@ speed of B separate calls inside one compiled step rather than that of one
 fused op.
 """
 
-import contextlib
 import warnings
 
 import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
-from keras.src.backend import get_keras_mask, set_keras_mask
-from keras.src.layers.convolutional.base_conv import BaseConv
-from keras.src.layers.convolutional.base_conv_transpose import (
-    BaseConvTranspose,
-)
-from keras.src.layers.convolutional.base_depthwise_conv import (
-    BaseDepthwiseConv,
-)
-from keras.src.layers.convolutional.base_separable_conv import (
-    BaseSeparableConv,
-)
-from tensorflow.python.trackable.resource import CapturableResource
 
-from hftatf import sparse
 from hftatf.api import hftatf_export
+from hftatf.core import compat
+from hftatf.core.axis import split_models, stack_models, take_model
+from hftatf.core.validation import check_model_axis
 from hftatf.layers import objects, registry
-from hftatf.layers.base import FusedLayer, Modelwise, model_pieces, stack_models
-from hftatf.validation import check_model_axis
+from hftatf.layers.base import FusedLayer, Modelwise
+from hftatf.layers.layer_state import (
+    derives_state,
+    derives_state_by_ops,
+    inner_trainable_flags,
+    outside_state,
+    set_trainable,
+    set_trainable_flags,
+    state_derived_in_calls,
+)
 
 # Stock layers without weights that treat a batch as a whole: they mix its
 # samples (`MixUp`, `CutMix`), draw one transformation for all of them
@@ -77,61 +74,11 @@ def refusal(layer):
     return None
 
 
-def derives_state(layer):
-    """Whether `layer` itself keeps state derived from its weights
-    (`finalize_state`: an adapted `Normalization`'s mean and variance),
-    which setting its weights leaves as it was."""
-    return bool(layer.weights) and hasattr(layer, "finalize_state")
-
-
-# `finalize_state` methods that derive a layer's state from its weights by
-# ops alone: called where the weights read other values (a stateless
-# scope), they derive the state of those values.
-_OPS_DERIVED_STATE = (keras.layers.Normalization.finalize_state,)
-
-
-def derives_state_by_ops(layer):
-    """Whether `layer`'s derived state (`derives_state`) is derived by ops
-    alone, so that a call on other values of its weights can derive it
-    from them (`state_derived_in_calls`)."""
-    return type(layer).finalize_state in _OPS_DERIVED_STATE
-
-
-@contextlib.contextmanager
-def state_derived_in_calls(layers):
-    """A block in which the derived state of `layers` (each deriving it by
-    ops) may be derived again from other values of their weights, by
-    calling `finalize_state` where the weights read those values; after
-    the block each layer has its own state back."""
-    kept = [dict(vars(layer)) for layer in layers]
-    try:
-        yield
-    finally:
-        for layer, attributes in zip(layers, kept):
-            vars(layer).update(attributes)
-
-
-def _outside_state(layer):
-    """A TensorFlow variable or resource that `layer` (or a layer inside
-    it) holds outside Keras variables, or None."""
-    for inner in layer._flatten_layers(include_self=True):
-        for name, value in vars(inner).items():
-            if isinstance(value, (tf.Variable, CapturableResource)):
-                return f"'{inner.name}.{name}' ({type(value).__name__})"
-    return None
-
-
 def layers_inside(layers):
     """The layers run per model among `layers`, and every layer inside
     them (stock layers, not fused forms)."""
     return [inner for layer in layers if isinstance(layer, FusedPerModel)
-            for inner in layer.layer._flatten_layers(include_self=True)]
-
-
-def is_stock_convolution(layer):
-    """Whether `layer` is a stock Keras convolution of any family."""
-    return isinstance(layer, (BaseConv, BaseConvTranspose,
-                              BaseDepthwiseConv, BaseSeparableConv))
+            for inner in compat.inner_layers(layer.layer, include_self=True)]
 
 
 def copy_layer(layer):
@@ -264,6 +211,7 @@ class FusedPerModel(FusedLayer):
         **kwargs: the stock `keras.layers.Layer` arguments.
     """
 
+    kind = "per_model"
     supports_models_first = True
 
     def __init__(self, layer, num_models, shared_input=False,
@@ -283,7 +231,7 @@ class FusedPerModel(FusedLayer):
         self._holder = _Holder(layer)
         self.supports_masking = True
         # The `trainable` flags of the layers inside the layer, where some
-        # differ from the layer's own (`_trainable_flags`).
+        # differ from the layer's own (`inner_trainable_flags`).
         self.inner_trainable = (None if inner_trainable is None
                                 else [bool(f) for f in inner_trainable])
         self._stacked = []  # [B, ...] variable per weight of the layer
@@ -300,7 +248,7 @@ class FusedPerModel(FusedLayer):
         Found by tracing one model's call in training, once built."""
         if not self.built:
             return any(isinstance(inner, keras.layers.SpectralNormalization)
-                       for inner in self.layer._flatten_layers())
+                       for inner in compat.inner_layers(self.layer))
         return any(self._stacked[i].trainable for i in self._assigned)
 
     def _weights_assigned_in_training(self):
@@ -323,7 +271,7 @@ class FusedPerModel(FusedLayer):
 
     @property
     def trainable(self):
-        return self._trainable
+        return keras.layers.Layer.trainable.fget(self)
 
     @trainable.setter
     def trainable(self, value):
@@ -368,8 +316,8 @@ class FusedPerModel(FusedLayer):
                 stacklevel=3)
         return cls(copy_layer(layer), num_models, shared_input=shared_input,
                    models_first=models_first,
-                   inner_trainable=_trainable_flags(layer), name=layer.name,
-                   trainable=layer.trainable)
+                   inner_trainable=inner_trainable_flags(layer),
+                   name=layer.name, trainable=layer.trainable)
 
     @classmethod
     def fuses_shared_input(cls, layer):
@@ -423,7 +371,7 @@ class FusedPerModel(FusedLayer):
                     copy(*args, **kwargs)
                 self._set_trainable_flags(copy)
             template = self.layer
-            outside = _outside_state(template)
+            outside = outside_state(template)
             if outside:
                 raise ValueError(
                     f"hftatf cannot fuse layer '{template.name}' "
@@ -431,7 +379,7 @@ class FusedPerModel(FusedLayer):
                     f"{outside} outside Keras variables, which would be one "
                     "state for all models. Create its state with "
                     "`add_weight`.")
-            self._derived = [inner for inner in template._flatten_layers()
+            self._derived = [inner for inner in compat.inner_layers(template)
                              if derives_state(inner)]
             underived = [inner.name for inner in self._derived
                          if not derives_state_by_ops(inner)]
@@ -446,7 +394,7 @@ class FusedPerModel(FusedLayer):
             for index, weight in enumerate(template.weights):
                 self._stacked.append(self._stack_weight(
                     weight, [copy.weights[index] for copy in copies]))
-            stateful = [inner.name for inner in template._flatten_layers()
+            stateful = [inner.name for inner in compat.inner_layers(template)
                         if getattr(inner, "stateful", False)]
             if stateful:
                 # Its states are variables outside the layer's weights,
@@ -510,7 +458,7 @@ class FusedPerModel(FusedLayer):
         # and multiplied in another), whose calls' gradients TensorFlow
         # adds: a dense one of `[B, ...]` to a sparse one of the rows; nor
         # for a regularized weight, whose penalty's gradient is dense.
-        sparse_slices = set() if len(self._inbound_nodes) > 1 else {
+        sparse_slices = set() if len(compat.inbound_nodes(self)) > 1 else {
             id(w) for w in weights if w.trainable and len(w.shape) > 0
             and getattr(w, "regularizer", None) is None}
         states = _random_states(layer)
@@ -523,9 +471,9 @@ class FusedPerModel(FusedLayer):
             for b in range(self.num_models):
                 args, kwargs = filled_arguments(stock_arguments,
                                                 [p[b] for p in pieces])
-                if training is not None and layer._call_has_training_arg:
+                if training is not None and compat.call_takes_training(layer):
                     kwargs["training"] = training
-                mapping = ([(w, sparse.model_slice(v, b)
+                mapping = ([(w, take_model(v, b)
                              if id(w) in sparse_slices else v[b])
                             for w, v in zip(weights, values)]
                            + list(zip(states, carried)))
@@ -561,7 +509,7 @@ class FusedPerModel(FusedLayer):
         if any(losses):
             self.add_loss(ops.stack([_total(found) for found in losses]))
         return keras.tree.map_structure(
-            lambda *ys: _stacked_output(list(ys), axis), *outputs)
+            lambda *ys: stack_models(list(ys), axis), *outputs)
 
     def _pieces(self, tensor):
         """Each model's `tensor` (with its slice of the tensor's mask)."""
@@ -569,13 +517,7 @@ class FusedPerModel(FusedLayer):
             return [tensor] * self.num_models
         check_model_axis(self.name, self.num_models, tuple(tensor.shape),
                          self.model_axis)
-        slices = model_pieces(tensor, self.num_models, self.model_axis)
-        mask = get_keras_mask(tensor)
-        if mask is not None:
-            masks = model_pieces(mask, self.num_models, self.model_axis)
-            for piece, piece_mask in zip(slices, masks):
-                set_keras_mask(piece, piece_mask)
-        return slices
+        return split_models(tensor, self.num_models, self.model_axis)
 
     def compute_output_spec(self, inputs, stock_arguments=None,
                             training=None):
@@ -589,7 +531,7 @@ class FusedPerModel(FusedLayer):
 
         args, kwargs = filled_arguments(
             stock_arguments, [per_model(t) for t in inputs])
-        if training is not None and self.layer._call_has_training_arg:
+        if training is not None and compat.call_takes_training(self.layer):
             kwargs["training"] = training
         spec = self.layer.compute_output_spec(*args, **kwargs)
 
@@ -628,42 +570,6 @@ class _Holder:
         self.layer = layer
 
 
-def set_trainable(layer, value):
-    """Sets `layer.trainable` and hands it down to the layers inside, even
-    where the flag is already `value` (where `layer.trainable = value`
-    does nothing)."""
-    keras.layers.Layer.trainable.fset(layer, value)
-
-
-def trainable_flags(layer):
-    """The `trainable` flags of `layer` and of the layers inside it, outer
-    layers first: what its config does not carry (only its own)."""
-    return [inner.trainable for inner in layer._flatten_layers()]
-
-
-def set_trainable_flags(layer, flags):
-    """Gives the built `layer` the `trainable_flags` of a copy of it."""
-    inner = layer._flatten_layers()
-    if len(inner) != len(flags):
-        raise ValueError(
-            f"Layer '{layer.name}' ({type(layer).__name__}) holds "
-            f"{len(inner)} layers once built, where the layer it was made "
-            f"from held {len(flags)}, so their `trainable` flags cannot be "
-            "carried over. Fuse the stock model once it is built.")
-    # Outer layers come first, so that each flag set on a layer (and
-    # handed down to the layers inside it) is then corrected by theirs.
-    for inner_layer, flag in zip(inner, flags):
-        set_trainable(inner_layer, flag)
-
-
-def _trainable_flags(layer):
-    """The `trainable` flags of the layers inside `layer` (outer layers
-    first), or None where all are the layer's own flag (which its config
-    holds)."""
-    flags = trainable_flags(layer)[1:]
-    return None if all(f == layer.trainable for f in flags) else flags
-
-
 def _random_states(layer):
     """The variables of `layer` that are no weights: the states of the
     seed generators of the layer and of the layers inside it."""
@@ -677,16 +583,6 @@ def _total(losses):
         return ops.zeros((), "float32")
     # Each summed, as Keras sums every added loss, whatever its shape.
     return sum(ops.sum(ops.cast(x, "float32")) for x in losses)
-
-
-def _stacked_output(pieces, axis):
-    """The models' outputs stacked on the model `axis`, with their masks
-    where the layer gave every model's output one."""
-    output = stack_models(pieces, axis)
-    masks = [get_keras_mask(p) for p in pieces]
-    if all(m is not None for m in masks):
-        set_keras_mask(output, stack_models(masks, axis))
-    return output
 
 
 class _ModelScope(keras.StatelessScope):
@@ -713,3 +609,10 @@ class _ModelScope(keras.StatelessScope):
             value = ops.stop_gradient(ops.cast(value, read.dtype)) + (
                 read - ops.stop_gradient(read))
         super().add_update((variable, value))
+
+
+# re-exported until callers move
+from hftatf.layers.layer_state import (  # noqa: E402, F401
+    is_stock_convolution,
+    trainable_flags,
+)

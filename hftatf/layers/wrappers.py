@@ -14,10 +14,15 @@ import keras
 from keras import ops
 
 from hftatf.api import hftatf_export
-from hftatf.layers import registry
-from hftatf.layers.base import ModelActivityRegularization, StackedInitializer
+from hftatf.core import compat
+from hftatf.core.validation import check_model_axis, check_num_models
+from hftatf.layers import registry, resolve
+from hftatf.layers.base import (
+    FusedForm,
+    ModelActivityRegularization,
+    StackedInitializer,
+)
 from hftatf.layers.recurrent import FusedRecurrent
-from hftatf.validation import check_model_axis, check_num_models
 
 __all__ = ["FusedBidirectional", "FusedSpectralNormalization",
            "FusedTimeDistributed", "couples_batch"]
@@ -27,7 +32,7 @@ def _per_model_inner(*inner):
     """Why a stock wrapper of the `inner` layers has no fused form (one of
     them runs once per model, so the whole wrapper does), or None."""
     for layer in inner:
-        if registry.runs_per_model(layer):
+        if resolve.runs_per_model(layer):
             return (f"it wraps layer '{layer.name}' "
                     f"({type(layer).__name__}), which runs once per model")
     return None
@@ -38,7 +43,7 @@ def couples_batch(layer):
     than sample by sample: a trainable layer in it holds non-trainable
     weights of its own (a batch normalization's moving statistics)."""
     return any(inner.trainable and inner._non_trainable_variables
-               for inner in layer._flatten_layers(include_self=True))
+               for inner in compat.inner_layers(layer, include_self=True))
 
 
 def _check_inner(wrapper, role, layer, num_models):
@@ -52,7 +57,7 @@ def _check_inner(wrapper, role, layer, num_models):
 
 @hftatf_export
 @registry.register(keras.layers.TimeDistributed)
-class FusedTimeDistributed(ModelActivityRegularization,
+class FusedTimeDistributed(FusedForm, ModelActivityRegularization,
                            keras.layers.Wrapper):
     """`keras.layers.TimeDistributed` for an array of `num_models` models.
 
@@ -75,7 +80,7 @@ class FusedTimeDistributed(ModelActivityRegularization,
 
     Args:
         layer: a fused layer of `num_models` models (e.g. a `FusedDense`, or
-            any fused form from `hftatf.layers.registry.fuse_layer`).
+            any fused form from `hftatf.layers.resolve.fuse_layer`).
         num_models: the number of models `B` in the array.
     """
 
@@ -100,7 +105,7 @@ class FusedTimeDistributed(ModelActivityRegularization,
     def from_stock(cls, layer, num_models):
         """Fuses a stock `TimeDistributed`, its inner layer by the registry
         (weights not copied)."""
-        return cls(registry.fuse_layer(layer.layer, num_models), num_models,
+        return cls(resolve.fuse_layer(layer.layer, num_models), num_models,
                    activity_regularizer=layer.activity_regularizer,
                    name=layer.name, dtype=layer.dtype_policy,
                    trainable=layer.trainable)
@@ -150,7 +155,7 @@ class FusedTimeDistributed(ModelActivityRegularization,
         if steps is None:
             steps = ops.shape(inputs)[2]
         kwargs = {}
-        if self.layer._call_has_mask_arg and mask is not None:
+        if compat.call_takes_mask(self.layer) and mask is not None:
             if len(mask.shape) < 3:
                 raise ValueError(
                     f"Layer '{self.name}' expects a mask of shape [batch, "
@@ -158,7 +163,7 @@ class FusedTimeDistributed(ModelActivityRegularization,
                     f"{tuple(mask.shape)} for inputs of shape "
                     f"{tuple(inputs.shape)}.")
             kwargs["mask"] = mask
-        if self.layer._call_has_training_arg:
+        if compat.call_takes_training(self.layer):
             kwargs["training"] = training
         if training and couples_batch(self.layer):
             return self._call_per_step(inputs, kwargs)
@@ -200,7 +205,7 @@ class FusedTimeDistributed(ModelActivityRegularization,
 
 @hftatf_export
 @registry.register(keras.layers.Bidirectional)
-class FusedBidirectional(ModelActivityRegularization,
+class FusedBidirectional(FusedForm, ModelActivityRegularization,
                          keras.layers.Bidirectional):
     """`keras.layers.Bidirectional` for an array of `num_models` models.
 
@@ -262,9 +267,9 @@ class FusedBidirectional(ModelActivityRegularization,
         """Fuses a stock `Bidirectional`, its forward and backward layers by
         the registry (weights not copied)."""
         return cls(
-            registry.fuse_layer(layer.forward_layer, num_models), num_models,
+            resolve.fuse_layer(layer.forward_layer, num_models), num_models,
             merge_mode=layer.merge_mode,
-            backward_layer=registry.fuse_layer(layer.backward_layer,
+            backward_layer=resolve.fuse_layer(layer.backward_layer,
                                                num_models),
             activity_regularizer=layer.activity_regularizer,
             name=layer.name, dtype=layer.dtype_policy,
@@ -275,9 +280,9 @@ class FusedBidirectional(ModelActivityRegularization,
         # stock one flips axis 1, which is the model axis here) and that the
         # stock cuDNN shortcuts do not apply.
         kwargs = {}
-        if self.forward_layer._call_has_training_arg:
+        if compat.call_takes_training(self.forward_layer):
             kwargs["training"] = training
-        if self.forward_layer._call_has_mask_arg:
+        if compat.call_takes_mask(self.forward_layer):
             kwargs["mask"] = mask
         forward_state = backward_state = None
         if initial_state is not None:
@@ -319,7 +324,7 @@ class FusedBidirectional(ModelActivityRegularization,
 
 @hftatf_export
 @registry.register(keras.layers.SpectralNormalization)
-class FusedSpectralNormalization(ModelActivityRegularization,
+class FusedSpectralNormalization(FusedForm, ModelActivityRegularization,
                                  keras.layers.Wrapper):
     """`keras.layers.SpectralNormalization` for an array of `num_models`
     models.
@@ -376,7 +381,7 @@ class FusedSpectralNormalization(ModelActivityRegularization,
         """Fuses a stock `SpectralNormalization`, its inner layer by the
         registry (weights not copied); `kwargs` (`shared_input`,
         `models_first`) go to the inner layer."""
-        return cls(registry.fuse_layer(layer.layer, num_models, **kwargs),
+        return cls(resolve.fuse_layer(layer.layer, num_models, **kwargs),
                    num_models, power_iterations=layer.power_iterations,
                    activity_regularizer=layer.activity_regularizer,
                    name=layer.name, dtype=layer.dtype_policy,
@@ -388,15 +393,15 @@ class FusedSpectralNormalization(ModelActivityRegularization,
 
     @classmethod
     def takes_models_first(cls, layer):
-        return registry.takes_models_first(layer.layer)
+        return resolve.takes_models_first(layer.layer)
 
     @classmethod
     def fuses_shared_input(cls, layer):
-        return registry.takes_shared_input(layer.layer)
+        return resolve.takes_shared_input(layer.layer)
 
     @classmethod
     def prefers_models_first(cls, layer):
-        return registry.prefers_models_first(layer.layer)
+        return resolve.prefers_models_first(layer.layer)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):

@@ -11,7 +11,7 @@ from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.hyperparameters import RANGES
 from hftatf.optimizers.lamb import check_required
-from hftatf.validation import shared
+from hftatf.core.validation import shared
 
 __all__ = ["Adafactor"]
 

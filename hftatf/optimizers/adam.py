@@ -5,7 +5,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
-from hftatf.validation import shared
+from hftatf.core.validation import shared
 
 
 def adam_step(optimizer, gradient, variable, lr, m, v, betas, epsilon,

@@ -20,7 +20,7 @@ from hftatf.optimizers.hyperparameters import (
     standardize,
 )
 from hftatf.optimizers.steps import PerModelSteps
-from hftatf.validation import ModelCount, check_num_models, shared
+from hftatf.core.validation import ModelCount, check_num_models, shared
 
 
 class FusedOptimizer(PerModelHyperparameters, PerModelClipping,
@@ -111,7 +111,7 @@ class FusedOptimizer(PerModelHyperparameters, PerModelClipping,
     # values near 1 (`1 - float32(0.9999)`), and each step with it.
     complemented_hyperparameters = ()
 
-    # `{name: hftatf.validation.Range}`: the ranges of this class's
+    # `{name: hftatf.core.validation.Range}`: the ranges of this class's
     # hyper-parameters where they differ from (or add to) those every fused
     # optimizer checks (`hyperparameters.RANGES`).
     hyperparameter_ranges = {}

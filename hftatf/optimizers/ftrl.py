@@ -6,7 +6,7 @@ from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.adagrad import per_model_initial_value
 from hftatf.optimizers.base import FusedOptimizer
-from hftatf.validation import Range
+from hftatf.core.validation import Range
 
 __all__ = ["Ftrl"]
 

@@ -18,7 +18,7 @@ from keras import ops
 from hftatf.core import compat
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers import scopes
-from hftatf.validation import LEARNING_RATE, Range, check_range, is_number
+from hftatf.core.validation import LEARNING_RATE, Range, check_range, is_number
 
 Schedule = keras.optimizers.schedules.LearningRateSchedule
 

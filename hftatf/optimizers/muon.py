@@ -10,7 +10,7 @@ from hftatf.core import compat
 from hftatf.optimizers.adam import adam_step
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.hyperparameters import RANGES
-from hftatf.validation import shared
+from hftatf.core.validation import shared
 
 __all__ = ["Muon"]
 

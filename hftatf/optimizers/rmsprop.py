@@ -6,7 +6,7 @@ from keras import ops
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.optimizers.base import FusedOptimizer
-from hftatf.validation import Range, shared
+from hftatf.core.validation import Range, shared
 
 __all__ = ["RMSprop"]
 

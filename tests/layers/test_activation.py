@@ -16,7 +16,7 @@ from testing import (
     stacked_weights,
 )
 
-from hftatf.layers import FusedActivityRegularization, FusedPReLU, registry
+from hftatf.layers import FusedActivityRegularization, FusedPReLU, resolve
 
 BATCH = 5
 NUM_MODELS = 3
@@ -172,7 +172,7 @@ def test_config_round_trip():
 
 def test_registered_for_stock_prelu():
     stock = keras.layers.PReLU(shared_axes=[1, 2], alpha_initializer="ones")
-    fused = registry.fuse_layer(stock, 2)
+    fused = resolve.fuse_layer(stock, 2)
     assert type(fused) is FusedPReLU
     config = fused.get_config()
     assert config.pop("num_models") == 2
@@ -219,7 +219,7 @@ def test_built_layer_rejects_wrong_size_on_unshared_axis_like_stock():
 def test_activity_regularization_penalises_each_model_like_stock():
     rng = np.random.default_rng(30)
     x = rng.standard_normal((4, 3, 5)).astype("float32")
-    fused = registry.fuse_layer(
+    fused = resolve.fuse_layer(
         keras.layers.ActivityRegularization(l1=0.1, l2=0.01), 3)
     assert isinstance(fused, FusedActivityRegularization)
     np.testing.assert_array_equal(fused(x), x)

@@ -24,7 +24,7 @@ from hftatf.layers import (
     FusedGroupQueryAttention,
     FusedMultiHeadAttention,
     dense,
-    registry,
+    resolve,
 )
 
 BATCH = 3
@@ -498,7 +498,7 @@ def test_config_matches_stock_config():
     stock = keras.layers.MultiHeadAttention(
         num_heads=2, key_dim=3, attention_axes=-2, name="mha")
     stock.build((None, 4, 3, 5), (None, 4, 3, 5))
-    fused = registry.fuse_layer(stock, 2)
+    fused = resolve.fuse_layer(stock, 2)
     assert type(fused) is FusedMultiHeadAttention
     fused.build((None, 2, 4, 3, 5), (None, 2, 4, 3, 5))
     config = fused.get_config()
@@ -624,7 +624,7 @@ def test_group_query_attention_config_round_trip():
         head_dim=3, num_query_heads=4, num_key_value_heads=2, dropout=0.1,
         use_gate=True, sliding_window=2, seed=3, name="gqa",
         kernel_regularizer=keras.regularizers.L2(0.01))
-    fused = registry.fuse_layer(stock, 2)
+    fused = resolve.fuse_layer(stock, 2)
     assert type(fused) is FusedGroupQueryAttention
     config = fused.get_config()
     assert config.pop("num_models") == 2
@@ -722,7 +722,7 @@ def test_attention_dropout_differs_per_model():
                                          keras.layers.AdditiveAttention])
 def test_attention_config_round_trip(stock_class):
     stock = stock_class(use_scale=True, dropout=0.1, seed=3, name="att")
-    fused = registry.fuse_layer(stock, 2)
+    fused = resolve.fuse_layer(stock, 2)
     assert type(fused).__name__ == "Fused" + stock_class.__name__
     config = fused.get_config()
     assert config.pop("num_models") == 2

@@ -22,6 +22,7 @@ from testing import (
 )
 
 import hftatf
+from hftatf.core.devices import runs_on_accelerator
 from hftatf.layers import (
     FusedConv1D,
     FusedConv1DTranspose,
@@ -33,10 +34,9 @@ from hftatf.layers import (
     FusedDepthwiseConv2D,
     FusedSeparableConv1D,
     FusedSeparableConv2D,
-    convolutional,
-    registry,
+    resolve,
 )
-from hftatf.layers.convolutional import runs_on_accelerator
+from hftatf.layers.convolutional import base_conv
 
 BATCH = 2
 
@@ -256,7 +256,7 @@ def test_folded_accelerator_kernels_match_stock(
     # On a GPU or TPU, depthwise and separable convolutions fold the models
     # into the channel axis; on this CPU they run per model. The folded form
     # is a plain depthwise convolution that the CPU runs too.
-    monkeypatch.setattr(convolutional, "runs_on_accelerator", lambda: True)
+    monkeypatch.setattr(base_conv, "runs_on_accelerator", lambda: True)
     check_against_stock(fused_class, input_shape, num_models, **kwargs)
 
 
@@ -269,7 +269,7 @@ def test_depthwise_kernels_fold_only_on_accelerators(
         monkeypatch, fused_class, kwargs, op_type):
     x = np.ones((BATCH, 3, 5, 5, 2), "float32")
     assert convolution_ops(fused_class(3, **kwargs), x, op_type) == 3
-    monkeypatch.setattr(convolutional, "runs_on_accelerator", lambda: True)
+    monkeypatch.setattr(base_conv, "runs_on_accelerator", lambda: True)
     assert convolution_ops(fused_class(3, **kwargs), x, op_type) == 1
 
 
@@ -703,7 +703,7 @@ def test_signature_is_the_stock_one_plus_num_models(fused_class):
 
 @pytest.mark.parametrize("fused_class", list(STOCK), ids=lambda c: c.__name__)
 def test_registry_maps_stock_to_fused(fused_class):
-    assert registry.fused_form(STOCK[fused_class](
+    assert resolve.fused_form(STOCK[fused_class](
         **({"kernel_size": 2} if "Depthwise" in fused_class.__name__ else
            {"filters": 2, "kernel_size": 2}))) is fused_class
 

@@ -17,7 +17,7 @@ from testing import (
 )
 
 import hftatf
-from hftatf.layers import FusedEinsumDense, registry
+from hftatf.layers import FusedEinsumDense, resolve
 
 BATCH = 3
 
@@ -239,7 +239,7 @@ def test_serialize_deserialize_keras_object():
 def test_registry_builds_from_stock_config():
     stock = keras.layers.EinsumDense("abc,cd->abd", (None, 4), bias_axes="d",
                                      activation="relu", name="proj")
-    fused = registry.fuse_layer(stock, 2)
+    fused = resolve.fuse_layer(stock, 2)
     assert type(fused) is FusedEinsumDense
     assert fused.name == "proj"
     assert fused.equation == stock.equation

@@ -16,7 +16,7 @@ from testing import (
 )
 
 from hftatf import optimizers
-from hftatf.layers import FusedEmbedding, registry
+from hftatf.layers import FusedEmbedding, resolve
 
 BATCH = 4
 VOCAB = 7
@@ -269,7 +269,7 @@ def test_config_round_trip():
 
 def test_registry_builds_from_stock_config():
     stock = keras.layers.Embedding(VOCAB, DIM, mask_zero=True, name="emb")
-    fused = registry.fuse_layer(stock, 2)
+    fused = resolve.fuse_layer(stock, 2)
     assert type(fused) is FusedEmbedding
     assert (fused.name, fused.input_dim, fused.output_dim, fused.mask_zero) \
         == ("emb", VOCAB, DIM, True)

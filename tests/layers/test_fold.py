@@ -25,8 +25,10 @@ from hftatf.layers import (
     FusedPerModel,
     FusedRandomCrop,
     registry,
+    resolve,
 )
-from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS, sample_mixing
+from hftatf.layers.fold import UNSEEDED_RANDOM_LAYERS
+from hftatf.layers.sample_mixing import sample_mixing
 
 NUM_MODELS = 3
 BATCH = 2
@@ -229,9 +231,9 @@ def input_shapes(inputs):
 def test_table_covers_every_per_sample_layer():
     tested = {type(factory()) for _, factory, _ in CASES}
     folded = set(PER_SAMPLE_LAYERS) | set(UNSEEDED_RANDOM_LAYERS)
-    assert folded <= set(registry.folded_layers())
-    assert set(registry.folded_layers()) <= tested, (
-        set(registry.folded_layers()) - tested)
+    assert folded <= set(resolve.folded_layers())
+    assert set(resolve.folded_layers()) <= tested, (
+        set(resolve.folded_layers()) - tested)
 
 
 @pytest.mark.parametrize("case_id", CASE_IDS)
@@ -855,7 +857,7 @@ def test_random_crop_crops_its_own_window_per_model(models_first,
         (NUM_MODELS, BATCH, *image) if models_first
         else (BATCH, NUM_MODELS, *image)).astype("float32")
     stock = keras.layers.RandomCrop(4, 3, seed=3, data_format=data_format)
-    fused = registry.fuse_layer(stock, NUM_MODELS, models_first=models_first)
+    fused = resolve.fuse_layer(stock, NUM_MODELS, models_first=models_first)
     assert type(fused) is FusedRandomCrop
     draws = []
     for _ in range(4):
@@ -931,7 +933,7 @@ def test_every_per_batch_layer_is_checked():
     tested = {type(factory()) for factory in PER_BATCH_CASES.values()}
     assert set(PER_BATCH_LAYERS) == tested | {keras.layers.AugMix}
     for stock_class in PER_BATCH_LAYERS:
-        assert registry.fused_form(stock_class.__new__(stock_class)) is (
+        assert resolve.fused_form(stock_class.__new__(stock_class)) is (
             FusedPerModel)
 
 
@@ -943,7 +945,7 @@ def test_per_batch_layer_treats_each_models_batch_as_one_job(name,
     factory = PER_BATCH_CASES[name]
     rng = np.random.default_rng(14)
     x = rng.uniform(0.0, 255.0, (4, NUM_MODELS, 6, 6, 3)).astype("float32")
-    fused = registry.fuse_layer(factory(), NUM_MODELS,
+    fused = resolve.fuse_layer(factory(), NUM_MODELS,
                                 models_first=models_first)
     assert type(fused) is FusedPerModel
     stock = factory()
@@ -960,7 +962,7 @@ def test_per_batch_layer_treats_each_models_batch_as_one_job(name,
         # Random: the models draw differently on identical batches.
         same = np.repeat(x[:, :1], NUM_MODELS, axis=1)
         y = keras.ops.convert_to_numpy(
-            registry.fuse_layer(factory(), NUM_MODELS)(same, training=True))
+            resolve.fuse_layer(factory(), NUM_MODELS)(same, training=True))
         assert np.abs(y[:, 1] - y[:, 0]).max() > 1.0
 
 
@@ -972,7 +974,7 @@ def test_mix_up_mixes_only_the_models_own_images():
     x = np.broadcast_to(x[:, :, None, None, None].astype("float32"),
                         (8, NUM_MODELS, 8, 8, 3))
     for stock in (keras.layers.MixUp(alpha=1.0), keras.layers.CutMix()):
-        fused = registry.fuse_layer(stock, NUM_MODELS)
+        fused = resolve.fuse_layer(stock, NUM_MODELS)
         mixed = False
         for _ in range(3):
             y = keras.ops.convert_to_numpy(fused(x, training=True))
@@ -986,7 +988,7 @@ def test_aug_mix_draws_per_model_and_passes_inference_through():
     rng = np.random.default_rng(15)
     x = np.repeat(rng.uniform(0.0, 255.0, (4, 1, 6, 6, 3)).astype(
         "float32"), NUM_MODELS, axis=1)
-    fused = registry.fuse_layer(keras.layers.AugMix(seed=8), NUM_MODELS)
+    fused = resolve.fuse_layer(keras.layers.AugMix(seed=8), NUM_MODELS)
     y = keras.ops.convert_to_numpy(fused(x, training=True))
     assert y.shape == x.shape
     assert np.abs(y[:, 1] - y[:, 0]).max() > 1.0
@@ -1080,7 +1082,7 @@ def test_a_layer_along_the_batch_axis_runs_per_model(make):
     # model instead, on that model's batch.
     layer = make()
     assert "batch axis" in registry.refusal_of_registered_form(layer)
-    assert registry.runs_per_model(layer)
+    assert resolve.runs_per_model(layer)
     inputs = keras.Input((4, 6))
     model = keras.Model(inputs, layer(keras.layers.Dense(3)(inputs)))
     array = hftatf.fuse(model, 2)

@@ -7,7 +7,7 @@ matmul, an einsum with a model axis where it is not), under XLA
 or not, per device (convolutions per model on a CPU, folded into the
 channel axis on a GPU or TPU), and for one model (the stock product).
 Small batched products run on TensorFlow's Eigen kernel on a CPU
-(`base.batch_matmul`), checked against `tf.linalg.matmul`. Each
+(`kernels.batch_matmul`), checked against `tf.linalg.matmul`. Each
 choice is checked here against B stock layers, in its own conditions:
 eagerly, inside `tf.function(jit_compile=True)`, and with the accelerator
 rule forced on a CPU.
@@ -25,6 +25,7 @@ from testing import (
     stacked_weights,
 )
 
+from hftatf.core import devices
 from hftatf.layers import (
     FusedBatchNormalization,
     FusedConv2D,
@@ -35,10 +36,10 @@ from hftatf.layers import (
     FusedLayerNormalization,
     FusedMultiHeadAttention,
     FusedSeparableConv2D,
-    base,
-    convolutional,
     dense,
 )
+from hftatf.layers import kernels as layer_kernels
+from hftatf.layers.convolutional import base_conv
 
 BATCH = 4
 
@@ -195,7 +196,7 @@ def test_compiling_with_xla_tells_the_trace():
     seen = []
 
     def record(x):
-        seen.append(base.compiling_with_xla())
+        seen.append(devices.compiling_with_xla())
         return x
 
     tf.function(record, jit_compile=True)(tf.zeros(()))
@@ -204,7 +205,7 @@ def test_compiling_with_xla_tells_the_trace():
     assert seen == [True, False, False]
 
 
-# -- base.batch_matmul -------------------------------------------------------
+# -- kernels.batch_matmul ----------------------------------------------------
 
 def products_and_gradients(matmul, adjoint_a, adjoint_b):
     """A function of `a` and `b`: `matmul(a, b)`, the gradients of a loss
@@ -229,7 +230,8 @@ def batched_products(a_shape, b_shape, adjoint_a, adjoint_b, dtype="float32",
     """`products_and_gradients` of `batch_matmul` as a `tf.function`, and
     the op types of its graph for inputs of these shapes."""
     graph = tf.function(products_and_gradients(
-        base.batch_matmul, adjoint_a, adjoint_b), jit_compile=jit_compile)
+        layer_kernels.batch_matmul, adjoint_a, adjoint_b),
+        jit_compile=jit_compile)
     concrete = graph.get_concrete_function(tf.TensorSpec(a_shape, dtype),
                                            tf.TensorSpec(b_shape, dtype))
     return graph, {op.type for op in concrete.graph.get_operations()}
@@ -284,11 +286,11 @@ def test_batch_matmul_sizes_a_broadcast_product_by_its_output():
 def test_batch_matmul_takes_the_oneDNN_kernel_for_large_products():
     # 2 x 128 x 64 x 64 = 2**20 multiply-adds, above SMALL_PRODUCT; so are
     # both gradients.
-    assert 2 * 128 * 64 * 64 > base.SMALL_PRODUCT
+    assert 2 * 128 * 64 * 64 > layer_kernels.SMALL_PRODUCT
     _, op_types = batched_products((2, 128, 64), (2, 64, 64), False, False)
     assert "BatchMatMulV2" in op_types and "BatchMatMulV3" not in op_types
     # At the limit, every product is small.
-    assert 2 * 64 * 64 * 64 == base.SMALL_PRODUCT
+    assert 2 * 64 * 64 * 64 == layer_kernels.SMALL_PRODUCT
     _, op_types = batched_products((2, 64, 64), (2, 64, 64), False, False)
     assert "BatchMatMulV3" in op_types and "BatchMatMulV2" not in op_types
 
@@ -301,7 +303,7 @@ def test_batch_matmul_runs_large_matrix_vector_products_on_eigen():
     def first_order(a, b):
         with tf.GradientTape() as tape:
             tape.watch([a, b])
-            y = base.batch_matmul(a, b)
+            y = layer_kernels.batch_matmul(a, b)
         return y, tape.gradient(y, [a, b])
 
     concrete = first_order.get_concrete_function(
@@ -336,7 +338,7 @@ def test_batch_matmul_of_unknown_rows_with_one_column_runs_on_eigen():
 
 
 def test_batch_matmul_leaves_accelerators_to_tensorflow(monkeypatch):
-    monkeypatch.setattr(base, "runs_on_accelerator", lambda: True)
+    monkeypatch.setattr(layer_kernels, "runs_on_accelerator", lambda: True)
     _, op_types = batched_products((2, 4, 3), (2, 3, 1), False, False)
     assert "BatchMatMulV3" not in op_types
 
@@ -390,7 +392,7 @@ def test_cpu_convolutions_match_stock(case, num_models, xla):
 @pytest.mark.parametrize("case", ["depthwise", "separable"])
 def test_accelerator_convolutions_match_stock(case, monkeypatch):
     # The folded forms GPUs and TPUs run, computed here by XLA on the CPU.
-    monkeypatch.setattr(convolutional, "runs_on_accelerator", lambda: True)
+    monkeypatch.setattr(base_conv, "runs_on_accelerator", lambda: True)
     stock_class, fused_class, kwargs = CONV_CASES[case]
     rng = np.random.default_rng(4)
     stock, fused = twins(stock_class, fused_class, (6, 6, 2), 3, rng,

@@ -33,7 +33,7 @@ from hftatf.layers import (
     FusedLayerNormalization,
     FusedNormalization,
     FusedRMSNormalization,
-    registry,
+    resolve,
 )
 
 BATCH = 5
@@ -573,7 +573,7 @@ def test_normalization_rejects_axis_out_of_range():
 def test_unit_normalization_folds(axis):
     rng = np.random.default_rng(40)
     stock = keras.layers.UnitNormalization(axis=axis)
-    fused = registry.fuse_layer(stock, NUM_MODELS)
+    fused = resolve.fuse_layer(stock, NUM_MODELS)
     assert isinstance(fused, FusedFold)
     compare_layer_with_stock([stock] * NUM_MODELS, fused,
                              [fused_inputs(rng, (3, 4))], rng)
@@ -736,7 +736,7 @@ def test_config_round_trip(fused_class, kwargs):
     keras.layers.Normalization(mean=2.0, variance=3.0),
 ], ids=["batch", "layer", "group", "normalization", "normalization-const"])
 def test_registered_for_stock_layers(stock):
-    fused = registry.fuse_layer(stock, NUM_MODELS)
+    fused = resolve.fuse_layer(stock, NUM_MODELS)
     config = {k: v for k, v in fused.get_config().items()
               if k not in ("num_models", "activity_regularizer")}
     assert config == {k: v for k, v in stock.get_config().items()
@@ -829,7 +829,7 @@ def test_rms_normalization_matches_stock(axis, shape):
 
 def test_rms_normalization_is_registered_and_serializes():
     stock = keras.layers.RMSNormalization(axis=-1, epsilon=1e-4)
-    fused = registry.fuse_layer(stock, 2)
+    fused = resolve.fuse_layer(stock, 2)
     assert isinstance(fused, FusedRMSNormalization)
     again = FusedRMSNormalization.from_config(fused.get_config())
     assert again.epsilon == 1e-4 and again.num_models == 2

@@ -13,7 +13,7 @@ from testing import assert_close, trains_like_stock
 
 import hftatf
 from benchmarks.per_model import TokenAndPositionEmbedding, TransformerBlock
-from hftatf.layers import BroadcastToModels, FusedPerModel, registry
+from hftatf.layers import BroadcastToModels, FusedPerModel, resolve
 from hftatf.layers import per_model as per_model_module
 
 NUM_MODELS = 3
@@ -467,7 +467,7 @@ def test_a_warning_names_each_layer_class_once(monkeypatch):
     # Per-batch stock layers run per model by design: no warning.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        registry.fuse_layer(layers.MixUp(), 2)
+        resolve.fuse_layer(layers.MixUp(), 2)
     assert not [w for w in caught if "once per model" in str(w.message)]
 
 
@@ -489,9 +489,9 @@ def test_layers_with_state_outside_keras_variables_are_refused():
     with pytest.raises(ValueError, match=r"'counter'.*counter\.count"):
         hftatf.fuse(model, 2)
     lookup = layers.StringLookup(vocabulary=["a", "b"], name="lookup")
-    assert not registry.is_supported(lookup)
+    assert not resolve.is_supported(lookup)
     with pytest.raises(ValueError, match="'lookup'.*outside Keras variables"):
-        registry.fused_form(lookup)
+        resolve.fused_form(lookup)
 
 
 class StatefulBlock(layers.Layer):
@@ -565,7 +565,7 @@ def test_state_derived_from_weights_otherwise_than_by_ops_is_refused():
 
 
 def test_fused_per_model_refuses_a_wrong_model_axis():
-    fused = registry.fuse_layer(layers.RNN([layers.LSTMCell(2)] * 2), 3)
+    fused = resolve.fuse_layer(layers.RNN([layers.LSTMCell(2)] * 2), 3)
     assert type(fused) is FusedPerModel
     with pytest.raises(ValueError, match="num_models=3 on axis 1"):
         fused(np.zeros((2, 4, 5, 1), "float32"))
@@ -728,7 +728,7 @@ def test_stock_wrappers_of_a_layer_run_per_model_run_per_model(wrapper):
     inputs = keras.Input((5, 4))
     layer = wrapper()
     model = keras.Model(inputs, layers.Flatten()(layer(inputs)))
-    assert registry.runs_per_model(layer)
+    assert resolve.runs_per_model(layer)
     x = rng.standard_normal((4, 5, 4)).astype("float32")
     y = rng.standard_normal((4, model.output_shape[-1])).astype("float32")
     trains_like_stock(model, x, y)

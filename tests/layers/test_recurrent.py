@@ -24,7 +24,7 @@ from hftatf.layers import (
     FusedLSTM,
     FusedPerModel,
     FusedSimpleRNN,
-    registry,
+    resolve,
 )
 
 BATCH = 3
@@ -192,7 +192,7 @@ def test_mask_from_masking_layer_matches_stock():
     x = sequences(rng)
     x[per_model_mask() == 0] = 0.0
     # Masking runs per model through the array's fold wrapper.
-    masking = hftatf.layers.registry.fuse_layer(keras.layers.Masking(),
+    masking = hftatf.layers.resolve.fuse_layer(keras.layers.Masking(),
                                                 NUM_MODELS)
     y = np.asarray(fused(masking(x)))
     for b, layer in enumerate(stock):
@@ -669,7 +669,7 @@ def stock_cell_rnns(kind, rng, cell_kwargs=None, **kwargs):
 def test_rnn_of_a_stock_cell_matches_stock(kind, kwargs):
     rng = np.random.default_rng(20)
     stock = stock_cell_rnns(kind, rng, **kwargs)
-    fused = registry.fuse_layer(stock[0], NUM_MODELS)
+    fused = resolve.fuse_layer(stock[0], NUM_MODELS)
     assert type(fused) is KINDS[kind][1]
     fused.build((None, NUM_MODELS, STEPS, FEATURES))
     fused.set_weights(stacked_weights(stock))
@@ -690,7 +690,7 @@ def test_rnn_of_a_stock_cell_matches_stock(kind, kwargs):
 def test_rnn_of_a_stock_cell_keeps_its_implementation_and_dropout(kind):
     cell = CELLS[kind](dropout=0.5, recurrent_dropout=0.25, seed=4,
                        implementation=1)
-    fused = registry.fuse_layer(keras.layers.RNN(cell), NUM_MODELS)
+    fused = resolve.fuse_layer(keras.layers.RNN(cell), NUM_MODELS)
     assert fused.cell.implementation == 1
     assert fused.cell.dropout_mask_count == cell.dropout_mask_count
     assert (fused.dropout, fused.recurrent_dropout) == (0.5, 0.25)
@@ -751,7 +751,7 @@ class OwnCell(keras.layers.Layer):
 ], ids=["own_cell", "stacked_cells"])
 def test_rnn_of_another_cell_runs_once_per_model(cell):
     layer = keras.layers.RNN(cell())
-    fused = registry.fuse_layer(layer, NUM_MODELS)
+    fused = resolve.fuse_layer(layer, NUM_MODELS)
     assert type(fused) is FusedPerModel
     rng = np.random.default_rng(31)
     x = rng.standard_normal((3, NUM_MODELS, STEPS, 2)).astype("float32")
@@ -787,7 +787,7 @@ def conv_lstm_twins(case, rng, num_models=NUM_MODELS, **kwargs):
         layer.build((None, *shape))
         randomize_weights(layer, rng, scale=0.5)
         stock.append(layer)
-    fused = registry.fuse_layer(stock[0], num_models)
+    fused = resolve.fuse_layer(stock[0], num_models)
     fused.build((None, num_models, *shape))
     fused.set_weights(stacked_weights(stock))
     return stock, fused, shape
@@ -830,7 +830,7 @@ def test_conv_lstm_dropout_per_model_and_in_inference():
     assert fused.cell.dropout_mask_count == stock[0].cell.dropout_mask_count
     same, twin, _ = conv_lstm_twins("2d_same_sequences", rng, num_models=1,
                                     dropout=0.3, recurrent_dropout=0.4)
-    twin = registry.fuse_layer(same[0], NUM_MODELS)
+    twin = resolve.fuse_layer(same[0], NUM_MODELS)
     twin.build((None, NUM_MODELS, *shape))
     twin.set_weights(stacked_weights(same * NUM_MODELS))
     x = np.repeat(x[:, :1], NUM_MODELS, axis=1)
@@ -879,12 +879,12 @@ def test_conv_lstm_from_stock_keeps_the_stock_config():
         recurrent_dropout=0.2, go_backwards=True, return_state=True,
         kernel_regularizer=keras.regularizers.L2(0.01), seed=4,
         name="stock_conv_lstm")
-    fused = registry.fuse_layer(stock, 3)
+    fused = resolve.fuse_layer(stock, 3)
     config = fused.get_config()
     for key, value in stock.get_config().items():
         assert config[key] == value, key
     clone = type(fused).from_config(config)
     assert clone.get_config() == config
     with pytest.raises(ValueError, match="channels_last"):
-        registry.fuse_layer(keras.layers.ConvLSTM2D(
+        resolve.fuse_layer(keras.layers.ConvLSTM2D(
             2, 3, data_format="channels_first"), 2)

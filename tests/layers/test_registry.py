@@ -11,6 +11,7 @@ from hftatf.layers import (
     FusedFold,
     FusedPerModel,
     registry,
+    resolve,
 )
 
 
@@ -42,27 +43,27 @@ class UserCell(keras.layers.Layer):
 def test_layer_without_a_fused_form_runs_once_per_model(layer):
     # Subclasses of stock layers and RNNs of other cells included: each
     # model runs the layer itself (tests/layers/test_per_model.py).
-    assert registry.is_supported(layer)
-    assert registry.runs_per_model(layer)
-    assert not registry.is_foldable(layer)
-    assert registry.fused_form(layer) is FusedPerModel
+    assert resolve.is_supported(layer)
+    assert resolve.runs_per_model(layer)
+    assert not resolve.is_foldable(layer)
+    assert resolve.fused_form(layer) is FusedPerModel
 
 
 def test_layer_that_cannot_run_per_model_is_named_in_the_error():
     layer = keras.layers.IntegerLookup(vocabulary=[1, 2], name="my_lookup")
-    assert not registry.is_supported(layer)
+    assert not resolve.is_supported(layer)
     with pytest.raises(ValueError) as error:
-        registry.fused_form(layer)
+        resolve.fused_form(layer)
     message = str(error.value)
     assert "'my_lookup'" in message
     assert "keras.src.layers.preprocessing.integer_lookup.IntegerLookup" in (
         message)
     with pytest.raises(ValueError, match="my_lookup"):
-        registry.fuse_layer(layer, 2)
+        resolve.fuse_layer(layer, 2)
 
 
 def test_supported_layers():
-    supported = registry.supported_layers()
+    supported = resolve.supported_layers()
     assert keras.layers.Dense in supported
     assert keras.layers.Dropout in supported
     assert set(PER_SAMPLE_LAYERS) <= set(supported)
@@ -72,12 +73,12 @@ def test_supported_layers():
 
 
 def test_lookup_is_by_exact_class():
-    assert registry.fused_form(keras.layers.Dense(4)) is FusedDense
-    assert registry.is_supported(keras.layers.Dense(4))
-    assert not registry.is_foldable(keras.layers.Dense(4))
-    assert keras.layers.Dense in registry.supported_layers()
-    assert UserDense not in registry.supported_layers()
-    assert registry.fused_form(UserDense(4)) is FusedPerModel
+    assert resolve.fused_form(keras.layers.Dense(4)) is FusedDense
+    assert resolve.is_supported(keras.layers.Dense(4))
+    assert not resolve.is_foldable(keras.layers.Dense(4))
+    assert keras.layers.Dense in resolve.supported_layers()
+    assert UserDense not in resolve.supported_layers()
+    assert resolve.fused_form(UserDense(4)) is FusedPerModel
 
 
 # Constructor arguments of the per-sample classes that require some.
@@ -107,10 +108,10 @@ REQUIRED_ARGS = {
                          ids=lambda c: c.__name__)
 def test_per_sample_layers_are_folded(stock_class):
     stock = stock_class(*REQUIRED_ARGS.get(stock_class.__name__, ()))
-    assert stock_class in registry.supported_layers()
-    assert registry.fused_form(stock) is FusedFold
-    assert registry.is_foldable(stock)
-    fused = registry.fuse_layer(stock, 3)
+    assert stock_class in resolve.supported_layers()
+    assert resolve.fused_form(stock) is FusedFold
+    assert resolve.is_foldable(stock)
+    fused = resolve.fuse_layer(stock, 3)
     assert type(fused) is FusedFold
     assert fused.num_models == 3
     assert type(fused.layer) is stock_class
@@ -127,7 +128,7 @@ def test_fuse_dense_keeps_the_stock_arguments():
         kernel_regularizer=keras.regularizers.L2(0.01),
         kernel_constraint=keras.constraints.MaxNorm(2.0, axis=0),
         name="stock_dense")
-    fused = registry.fuse_layer(stock, 3)
+    fused = resolve.fuse_layer(stock, 3)
     assert type(fused) is FusedDense
     assert fused.num_models == 3
     assert fused.name == "stock_dense"
@@ -146,7 +147,7 @@ def test_fused_dense_from_stock_computes_like_the_stock_layers():
         layer.build((None, 5))
         layer.set_weights([rng.standard_normal(w.shape).astype("float32")
                            for w in layer.get_weights()])
-    fused = registry.fuse_layer(stock[0], 2)
+    fused = resolve.fuse_layer(stock[0], 2)
     fused.build((None, 2, 5))
     for b, layer in enumerate(stock):
         fused.set_model_weights(b, layer.get_weights())
@@ -159,7 +160,7 @@ def test_fused_dense_from_stock_computes_like_the_stock_layers():
 def test_fuse_foldable_layer_wraps_a_copy():
     stock = keras.layers.Dropout(0.3, noise_shape=(None, 1), seed=5,
                                  name="stock_dropout")
-    fused = registry.fuse_layer(stock, 3)
+    fused = resolve.fuse_layer(stock, 3)
     assert type(fused) is FusedFold
     assert fused.num_models == 3
     assert fused.name == "stock_dropout"
@@ -174,9 +175,9 @@ def test_register_a_user_class(monkeypatch):
                         dict(registry._FUSED_FORMS))
     registry.register(UserReLU)(FusedFold)
     layer = UserReLU(name="registered_relu")
-    assert registry.is_supported(layer)
-    assert registry.is_foldable(layer)
-    fused = registry.fuse_layer(layer, 2)
+    assert resolve.is_supported(layer)
+    assert resolve.is_foldable(layer)
+    fused = resolve.fuse_layer(layer, 2)
     assert type(fused.layer) is UserReLU
     x = np.random.default_rng(1).standard_normal((3, 2, 4)).astype("float32")
     assert_close(fused(x), np.stack([layer(x[:, b]) for b in range(2)],
@@ -197,7 +198,7 @@ def test_fused_layers_initialize_like_stock_where_configs_lose_arguments(
     # the stock config alone would start at gain 1.
     stock = factory()
     stock.build(shape)
-    fused = registry.fuse_layer(stock, 2)
+    fused = resolve.fuse_layer(stock, 2)
     fused.build((shape[0], 2, *shape[1:]))
     expected = stock.get_weights()[index]
     for b in range(2):

@@ -21,7 +21,7 @@ from hftatf.layers import (
     FusedLSTM,
     FusedSpectralNormalization,
     FusedTimeDistributed,
-    registry,
+    resolve,
 )
 
 BATCH = 3
@@ -44,7 +44,7 @@ def stock_wrappers(make, input_shape, rng, num_models=NUM_MODELS):
 
 def fused_twin(stock, input_shape):
     """The fused form from the registry, holding the stock weights."""
-    fused = registry.fuse_layer(stock[0], len(stock))
+    fused = resolve.fuse_layer(stock[0], len(stock))
     fused.build((None, len(stock), *input_shape))
     fused.set_weights(stacked_weights(stock))
     assert [tuple(w.shape) for w in fused.weights] == [
@@ -144,7 +144,7 @@ def test_couples_batch():
     dense = FusedDense(NUM_MODELS, UNITS)
     dense.build((None, NUM_MODELS, FEATURES))
     assert not couples_batch(dense)
-    norm = registry.fuse_layer(keras.layers.BatchNormalization(), NUM_MODELS)
+    norm = resolve.fuse_layer(keras.layers.BatchNormalization(), NUM_MODELS)
     norm.build((None, NUM_MODELS, FEATURES))
     assert couples_batch(norm)
     norm.trainable = False  # a frozen batch normalization runs in inference
@@ -477,7 +477,7 @@ def test_spectral_normalization_of_an_embedding_and_a_zero_kernel():
     # stock layer does, while model 1 is normalized.
     weights = stock[0].get_weights()
     stock[0].set_weights([np.zeros_like(weights[0]), *weights[1:]])
-    fused = registry.fuse_layer(stock[0], NUM_MODELS)
+    fused = resolve.fuse_layer(stock[0], NUM_MODELS)
     fused.build((None, NUM_MODELS, STEPS))
     fused.set_weights(stacked_weights(stock))
     before = fused.get_weights()
@@ -588,7 +588,7 @@ def test_wrapper_activity_regularizer_is_per_model(wrap):
     x = rng.standard_normal((8, STEPS, FEATURES)).astype("float32")
     y = rng.standard_normal((8, 1)).astype("float32")
     trains_like_stock(keras.Model(inputs, outputs), x, y)
-    fused = registry.fuse_layer(wrap(keras.regularizers.L1(0.1)), 2)
+    fused = resolve.fuse_layer(wrap(keras.regularizers.L1(0.1)), 2)
     clone = type(fused).from_config(fused.get_config())
     assert keras.regularizers.serialize(
         clone.model_activity_regularizer) == keras.regularizers.serialize(

@@ -19,7 +19,7 @@ import pytest
 
 from hftatf import optimizers
 from hftatf.optimizers import schedules
-from hftatf.validation import check_learning_rate
+from hftatf.core.validation import check_learning_rate
 
 CLASSES = sorted(
     (cls for cls in vars(optimizers).values()

@@ -70,12 +70,6 @@ def shared(name, value):
     return value
 
 
-def model_axis_of(models_first):
-    """The model axis of fused activations: 0 with the models first
-    (`[B, batch, ...]`), else 1 (`[batch, B, ...]`)."""
-    return 0 if models_first else 1
-
-
 def check_model_axis(layer_name, num_models, shape, axis=1):
     """Raises a ValueError unless axis `axis` of `shape` (1, or 0 for
     activations with the models first) is a model axis of B."""

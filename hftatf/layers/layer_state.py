@@ -1,0 +1,101 @@
+"""What a stock layer holds besides its weights: state derived from them,
+state outside Keras variables, and the `trainable` flags of the layers
+inside it (which its config does not carry)."""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from hftatf.core import compat
+
+
+def derives_state(layer):
+    """Whether `layer` itself keeps state derived from its weights
+    (`finalize_state`: an adapted `Normalization`'s mean and variance),
+    which setting its weights leaves as it was."""
+    return bool(layer.weights) and hasattr(layer, "finalize_state")
+
+
+# `finalize_state` methods that derive a layer's state from its weights by
+# ops alone: called where the weights read other values (a stateless
+# scope), they derive the state of those values.
+_OPS_DERIVED_STATE = (keras.layers.Normalization.finalize_state,)
+
+
+def derives_state_by_ops(layer):
+    """Whether `layer`'s derived state (`derives_state`) is derived by ops
+    alone, so that a call on other values of its weights can derive it
+    from them (`state_derived_in_calls`)."""
+    return type(layer).finalize_state in _OPS_DERIVED_STATE
+
+
+@contextlib.contextmanager
+def state_derived_in_calls(layers):
+    """A block in which the derived state of `layers` (each deriving it by
+    ops) may be derived again from other values of their weights, by
+    calling `finalize_state` where the weights read those values; after
+    the block each layer has its own state back."""
+    kept = [dict(vars(layer)) for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, attributes in zip(layers, kept):
+            vars(layer).update(attributes)
+
+
+def outside_state(layer):
+    """A TensorFlow variable or resource that `layer` (or a layer inside
+    it) holds outside Keras variables, or None."""
+    for inner in compat.inner_layers(layer, include_self=True):
+        for name, value in vars(inner).items():
+            if isinstance(value, (tf.Variable, compat.CapturableResource)):
+                return f"'{inner.name}.{name}' ({type(value).__name__})"
+    return None
+
+
+def is_stock_convolution(layer):
+    """Whether `layer` is a stock Keras convolution of any family."""
+    return isinstance(layer, compat.STOCK_CONVOLUTIONS)
+
+
+def set_trainable(layer, value):
+    """Sets `layer.trainable` and hands it down to the layers inside, even
+    where the flag is already `value` (where `layer.trainable = value`
+    does nothing)."""
+    keras.layers.Layer.trainable.fset(layer, value)
+
+
+def trainable_flags(layer):
+    """The `trainable` flags of `layer` and of the layers inside it, outer
+    layers first: what its config does not carry (only its own)."""
+    return [inner.trainable for inner in compat.inner_layers(layer)]
+
+
+def set_trainable_flags(layer, flags, strict=True):
+    """Gives the built `layer` the `trainable_flags` of a copy of it (or of
+    a layer of its architecture). Where their numbers of inner layers
+    differ (a fused layer's own against a stock layer's), raises with
+    `strict`, else sets the layer's own flag, `flags[0]`, only."""
+    inner = compat.inner_layers(layer)
+    if len(inner) != len(flags) and not strict:
+        set_trainable(layer, flags[0])
+        return
+    if len(inner) != len(flags):
+        raise ValueError(
+            f"Layer '{layer.name}' ({type(layer).__name__}) holds "
+            f"{len(inner)} layers once built, where the layer it was made "
+            f"from held {len(flags)}, so their `trainable` flags cannot be "
+            "carried over. Fuse the stock model once it is built.")
+    # Outer layers come first, so that each flag set on a layer (and
+    # handed down to the layers inside it) is then corrected by theirs.
+    for inner_layer, flag in zip(inner, flags):
+        set_trainable(inner_layer, flag)
+
+
+def inner_trainable_flags(layer):
+    """The `trainable` flags of the layers inside `layer` (outer layers
+    first), or None where all are the layer's own flag (which its config
+    holds)."""
+    flags = trainable_flags(layer)[1:]
+    return None if all(f == layer.trainable for f in flags) else flags
