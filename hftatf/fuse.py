@@ -12,6 +12,7 @@ import numpy as np
 
 from hftatf.core import hooks
 from hftatf.core.compat import compile_config
+from hftatf.core.validation import check_num_models
 from hftatf.graph import (
     architecture_difference,
     check_graph_model,
@@ -29,7 +30,6 @@ from hftatf.rewrite import (
     check_no_custom_steps,
     check_no_weights_shared_into_per_model_layers,
 )
-from hftatf.core.validation import check_num_models
 
 LAYOUTS = ("auto", "batch_first", "models_first")
 

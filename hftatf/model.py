@@ -21,6 +21,7 @@ from hftatf.core.compat import (
     no_automatic_dependency_tracking,
 )
 from hftatf.core.logs import check_stock_callbacks
+from hftatf.core.validation import check_num_models
 from hftatf.layers import convolutional, objects, per_model
 from hftatf.layers.base import has_accelerator
 from hftatf.training import divergence, losses, routing, surgery
@@ -28,7 +29,6 @@ from hftatf.training.divergence import ModelStatus
 from hftatf.training.losses import PerModelMean, clone_metrics  # noqa: F401
 from hftatf.training.surgery import set_trainable_flags, trainable_flags
 from hftatf.training.trainer import Trainer
-from hftatf.core.validation import check_num_models
 
 
 def _backups_last(callbacks):

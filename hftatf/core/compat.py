@@ -481,7 +481,6 @@ def scalar_summary_metadata():
 # No public symbolic run of a function (`keras.ops` has it per op).
 from keras.src.backend import compute_output_spec  # noqa: E402,F401
 
-
 # No public class for what `Model.compile` builds from loss and metric
 # arguments (names, nested outputs, loss weights, "accuracy").
 from keras.src.trainers.compile_utils import (  # noqa: E402,F401
@@ -491,7 +490,6 @@ from keras.src.trainers.compile_utils import (  # noqa: E402,F401
 
 # No public test of whether every layer supports XLA (`jit_compile="auto"`).
 from keras.src.trainers.trainer import model_supports_jit  # noqa: E402,F401
-
 
 # Private methods of `keras.Model` that `FusedModel` overrides, for want of
 # a public hook (tests/test_model.py checks that Keras still has them):

@@ -7,11 +7,11 @@ from keras import ops
 from hftatf import sparse
 from hftatf.api import hftatf_export
 from hftatf.core import compat
+from hftatf.core.validation import shared
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.hyperparameters import RANGES
 from hftatf.optimizers.lamb import check_required
-from hftatf.core.validation import shared
 
 __all__ = ["Adafactor"]
 

@@ -13,6 +13,7 @@ stock Keras optimizers, override `build`, `update_step` and `get_config`.
 import keras
 from keras import ops
 
+from hftatf.core.validation import ModelCount, check_num_models, shared
 from hftatf.optimizers.averaging import PerModelAveraging
 from hftatf.optimizers.clipping import PerModelClipping
 from hftatf.optimizers.hyperparameters import (
@@ -20,7 +21,6 @@ from hftatf.optimizers.hyperparameters import (
     standardize,
 )
 from hftatf.optimizers.steps import PerModelSteps
-from hftatf.core.validation import ModelCount, check_num_models, shared
 
 
 class FusedOptimizer(PerModelHyperparameters, PerModelClipping,

@@ -4,9 +4,9 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
+from hftatf.core.validation import Range
 from hftatf.optimizers.adagrad import per_model_initial_value
 from hftatf.optimizers.base import FusedOptimizer
-from hftatf.core.validation import Range
 
 __all__ = ["Ftrl"]
 

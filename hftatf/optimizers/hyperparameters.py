@@ -16,9 +16,9 @@ import tensorflow as tf
 from keras import ops
 
 from hftatf.core import compat
+from hftatf.core.validation import LEARNING_RATE, Range, check_range, is_number
 from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers import scopes
-from hftatf.core.validation import LEARNING_RATE, Range, check_range, is_number
 
 Schedule = keras.optimizers.schedules.LearningRateSchedule
 

@@ -6,9 +6,9 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
+from hftatf.core.validation import Range, shared
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.lamb import check_required, model_norm, trust_ratio
-from hftatf.core.validation import Range, shared
 
 __all__ = ["Lars"]
 

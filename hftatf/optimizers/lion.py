@@ -4,8 +4,8 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
-from hftatf.optimizers.base import FusedOptimizer
 from hftatf.core.validation import Range
+from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["Lion"]
 

@@ -7,10 +7,10 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
+from hftatf.core.validation import shared
 from hftatf.optimizers.adam import adam_step
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.hyperparameters import RANGES
-from hftatf.core.validation import shared
 
 __all__ = ["Muon"]
 

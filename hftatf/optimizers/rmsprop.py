@@ -5,8 +5,8 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
-from hftatf.optimizers.base import FusedOptimizer
 from hftatf.core.validation import Range, shared
+from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["RMSprop"]
 

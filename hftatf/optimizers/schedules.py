@@ -26,7 +26,12 @@ import numpy as np
 from keras import ops
 
 from hftatf.api import hftatf_export
-from hftatf.core.validation import ModelCount, check_num_models, is_number, shared
+from hftatf.core.validation import (
+    ModelCount,
+    check_num_models,
+    is_number,
+    shared,
+)
 
 __all__ = [
     "FusedSchedule",

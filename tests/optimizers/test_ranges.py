@@ -18,8 +18,8 @@ import keras
 import pytest
 
 from hftatf import optimizers
-from hftatf.optimizers import schedules
 from hftatf.core.validation import check_learning_rate
+from hftatf.optimizers import schedules
 
 CLASSES = sorted(
     (cls for cls in vars(optimizers).values()
