@@ -28,7 +28,7 @@ import tensorflow as tf
 
 import hftatf
 from hftatf.core import hooks
-from hftatf.core.logs import split_logs, weights_epoch
+from hftatf.core.logs import as_given, split_logs, weights_epoch
 from hftatf.fuse import (
     check_array,
     compile_stock_model,
@@ -73,7 +73,7 @@ def model_hyperparameters(optimizer, index):
     for name in names:
         per_model = optimizer.get_hyperparameter(name)
         if per_model is not None:
-            values[name] = float(per_model[index])
+            values[name] = as_given(per_model[index])
     config = optimizer.get_config()
     for key, value in config.items():
         if key not in names and key not in ("name", "num_models") and (

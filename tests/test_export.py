@@ -12,6 +12,7 @@ import tensorflow as tf
 from testing import assert_close
 
 import hftatf
+from hftatf.core import logs
 from hftatf.graph import architecture, first_difference
 
 NUM_MODELS = 2
@@ -558,3 +559,22 @@ def test_bad_paths_and_arguments_are_refused(exported, tmp_path):
         hftatf.export_models(array, tmp_path / "out", format="onnx")
     with pytest.raises(TypeError, match="FusedModel"):
         hftatf.export_models(mlp(), tmp_path / "out")
+
+
+def test_hyperparameters_are_written_as_given(tmp_path):
+    x = keras.Input((3,))
+    model = keras.Model(x, keras.layers.Dense(2)(x))
+    array = hftatf.fuse(model, 2)
+    array.compile(hftatf.optimizers.Adam([0.03, 1e-4], beta_1=0.85),
+                  loss="mse")
+    array.export_models(tmp_path, format="keras")
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert [entry["hyperparameters"]["learning_rate"] for entry in index] == [
+        0.03, 1e-4]
+    assert index[0]["hyperparameters"]["beta_1"] == 0.85
+
+
+def test_as_given_keeps_float64_values():
+    assert logs.as_given(np.float32(0.03)) == 0.03
+    assert logs.as_given(np.float64(0.1234567891234)) == 0.1234567891234
+    assert logs.as_given("adam") == "adam"

@@ -8,6 +8,7 @@ import numpy as np
 from keras import ops
 
 from hftatf.core.logs import (
+    as_given,
     model_log_name,
     monitor_direction,
     split_logs,
@@ -102,7 +103,8 @@ class PerModelMonitorCallback(keras.callbacks.Callback):
 
 def hyperparameter_values(optimizer, names, as_float=True):
     """`{name: [B] values}` for the optimizer's hyper-parameters `names`
-    that exist and are set: Python floats, or with `as_float=False` numpy
+    that exist and are set: Python floats as given (`core.logs.as_given`:
+    `0.03` for a float32 0.03), or with `as_float=False` numpy
     scalars of the variables' dtype (whose `str` is the shortest that
     reads back as the same value: `0.03` for a float32 0.03)."""
     found = {}
@@ -111,7 +113,7 @@ def hyperparameter_values(optimizer, names, as_float=True):
         if name in available:
             values = optimizer.get_hyperparameter(name)
             if values is not None:
-                found[name] = [float(v) if as_float else v
+                found[name] = [as_given(v) if as_float else v
                                for v in np.asarray(values)]
     return found
 

@@ -12,7 +12,7 @@ from hftatf.callbacks.base import (
     hyperparameter_values,
 )
 from hftatf.core.compat import scalar_summary_metadata
-from hftatf.core.logs import split_logs
+from hftatf.core.logs import as_given, split_logs
 
 # Written with each scalar: TensorBoard's scalars plugin shows them.
 SCALAR_METADATA = scalar_summary_metadata()
@@ -40,19 +40,13 @@ def describe_models(optimizer, num_models):
     model's own (`model_{b}`)."""
     varying = varying_hyperparameters(optimizer)
     names = [",".join(f"{_SHORT_NAMES.get(name, name)}="
-                      f"{_as_given(values[b])}"
+                      f"{as_given(values[b])!r}"
                       for name, values in varying.items())
              for b in range(num_models)]
     if len(set(names)) == num_models:
         return names
     return [f"model_{b}" + (f",{name}" if name else "")
             for b, name in enumerate(names)]
-
-
-def _as_given(value):
-    """`value` (a numpy scalar) as Python writes the shortest number that
-    reads back as it: `0.0001`, `3e-05`."""
-    return repr(float(str(value)))
 
 
 class TensorBoard(keras.callbacks.Callback):

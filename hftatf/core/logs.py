@@ -10,6 +10,7 @@ import collections
 import re
 
 import keras
+import numpy as np
 from keras import ops
 
 from hftatf.core.compat import metric_direction
@@ -145,6 +146,16 @@ def monitor_direction(model, monitor, num_models=None):
         f"Cannot infer whether monitor={monitor!r} should be maximized or "
         "minimized. Pass mode='max' to monitor the highest value, or "
         "mode='min' to monitor the lowest.")
+
+
+def as_given(value):
+    """A hyper-parameter's value as its user wrote it: a NumPy scalar as the
+    shortest decimal that reads back as the same value of its dtype (a
+    float32 `0.03`, not `0.029999999329447746`), as a Python float; other
+    values unchanged."""
+    if isinstance(value, np.floating):
+        return float(str(value))
+    return value
 
 
 # -- the epoch of a model's weights -----------------------------------------
