@@ -19,8 +19,9 @@ def provides(name):
     return register
 
 
-def call(name, *args, **kwargs):
-    """Calls the function registered as `name`."""
+def call(name, /, *args, **kwargs):
+    """Calls the function registered as `name` (positional only: the
+    function may take a `name` of its own)."""
     try:
         function = _PROVIDED[name]
     except KeyError:
