@@ -44,7 +44,7 @@ import tensorflow as tf  # noqa: E402
 
 from benchmarks import flags  # noqa: E402
 from benchmarks.workloads import parse_overrides  # noqa: E402
-from hftatf.layers import registry  # noqa: E402
+from hftatf.layers import resolve  # noqa: E402
 
 # (stock layer class name, config, one model's input shape with its batch):
 # the per-point layers of the PointNet recipe at its narrowest and widest
@@ -126,7 +126,7 @@ def parse_args(argv):
         args.cases = [(args.layer, config, shape)]
     if args.shared_input:
         for name, config, _ in args.cases:
-            if not registry.takes_shared_input(stock_layer(name, config)):
+            if not resolve.takes_shared_input(stock_layer(name, config)):
                 parser.error(f"{name} has no fused form that takes a "
                              "shared input (--shared_input): a Dense or a "
                              "convolution with groups=1 does")
@@ -169,7 +169,7 @@ def measure_case(name, config, shape, num_models, jit_compile, steps, rounds,
               for _ in range(1 if shared_input else num_models)]
     stock = [stock_layer(name, config) for _ in range(num_models)]
     stock_steps = [training_step(layer, jit_compile) for layer in stock]
-    fused_layer = registry.fuse_layer(stock[0], num_models,
+    fused_layer = resolve.fuse_layer(stock[0], num_models,
                                       shared_input=shared_input)
     if shared_input:
         fused_inputs, inputs = inputs[0], inputs * num_models

@@ -12,6 +12,7 @@ import numpy as np
 
 from hftatf.core import hooks
 from hftatf.core.compat import compile_config
+from hftatf.core.devices import runs_on_accelerator
 from hftatf.core.validation import check_num_models
 from hftatf.graph import (
     architecture_difference,
@@ -22,7 +23,6 @@ from hftatf.graph import (
     set_layer_weights,
     weighted_layers,
 )
-from hftatf.layers.base import runs_on_accelerator
 from hftatf.model import FusedModel, clone_metrics
 from hftatf.optimizers.stock import copy_state, stock_optimizer
 from hftatf.rewrite import (

@@ -4,7 +4,7 @@ its array alike: the paths that name the same layer in both."""
 import keras
 
 from hftatf.core.compat import flatten_layers, is_functional_graph
-from hftatf.layers.per_model import derives_state
+from hftatf.layers.layer_state import derives_state
 
 
 def config_layers(model):

@@ -20,10 +20,10 @@ from hftatf.core.compat import (
     model_supports_jit,
     no_automatic_dependency_tracking,
 )
+from hftatf.core.devices import has_accelerator
 from hftatf.core.logs import check_stock_callbacks
 from hftatf.core.validation import check_num_models
-from hftatf.layers import convolutional, objects, per_model
-from hftatf.layers.base import has_accelerator
+from hftatf.layers import convolutional, layer_state, objects, per_model
 from hftatf.training import divergence, losses, routing, surgery
 from hftatf.training.divergence import ModelStatus
 from hftatf.training.losses import PerModelMean, clone_metrics  # noqa: F401
@@ -352,7 +352,7 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
     def _has_convolutions(self):
         layers = list(compat.flatten_layers(self))
         return any(convolutional.is_convolution(layer) for layer in layers) or (
-            any(per_model.is_stock_convolution(inner)
+            any(layer_state.is_stock_convolution(inner)
                 for inner in per_model.layers_inside(layers)))
 
     def fit(self, *args, class_weight=None, **kwargs):
@@ -478,5 +478,3 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
 
 # Other modules take these from here.
 custom_objects = losses.custom_objects
-# Each model's slice of an output, as the backend trainer takes it.
-_unstack_models = Trainer._unstack_models

@@ -58,12 +58,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
-from hftatf.core.compat import get_keras_mask, set_keras_mask
-from hftatf.layers.base import (
-    carry_logits,
-    mask_has_model_axis,
-    runs_on_accelerator,
-)
+from hftatf.core.devices import runs_on_accelerator
 
 # Assumed when the system does not say (a common server CPU's L3).
 DEFAULT_CACHE_BYTES = 32 * 2**20
@@ -121,7 +116,7 @@ def activation_bytes_per_model(array, batch_size):
     backward pass."""
     total = 0
     for layer in compat.flatten_layers(array, include_self=False):
-        for node in getattr(layer, "_inbound_nodes", ()):
+        for node in compat.inbound_nodes(layer):
             for tensor in keras.tree.flatten(node.output_tensors):
                 shape = tuple(tensor.shape)[1:]
                 if getattr(layer, "models_first", False):
@@ -219,20 +214,6 @@ def pass_outputs(part):
     return [g for g in gradients if g is not None] + [losses]
 
 
-def take_models(tensor, start, count, axis=0):
-    """`tensor`'s models `start:start + count` on `axis`. `start` is a
-    Python int, or a scalar tensor inside a loop over passes, where the
-    slice keeps its static size."""
-    if isinstance(start, int):
-        index = (slice(None),) * axis + (slice(start, start + count),)
-        return tensor[index]
-    rank = len(tensor.shape)
-    begin = tf.stack([tf.cast(start, tf.int32) if d == axis else 0
-                      for d in range(rank)])
-    size = [count if d == axis else -1 for d in range(rank)]
-    return tf.slice(tensor, begin, size)
-
-
 def spread_losses(losses, start, num_models):
     """The `[num_models]` vector holding a pass's `[count]` losses at its
     models' places and zeros elsewhere, for the optimizer's per-model loss
@@ -263,37 +244,6 @@ def joined(array):
               else static[0] * static[1])
     merged.set_shape(tf.TensorShape([models]).concatenate(static[2:]))
     return merged
-
-
-def models_first(tensor):
-    """`[batch, k, ...]` as `[k, batch, ...]` (a reshape for one model)."""
-    if tensor.shape[1] == 1:
-        return ops.expand_dims(ops.squeeze(tensor, 1), 0)
-    return ops.swapaxes(tensor, 0, 1)
-
-
-def batch_first(tensor):
-    """`[B, batch, ...]` as `[batch, B, ...]`: one transpose, which
-    `FusedModel` cancels where it takes each model's slice."""
-    return ops.swapaxes(tensor, 0, 1)
-
-
-def concat_models(parts):
-    """Joins the passes' `[batch, k, ...]` outputs on the model axis,
-    keeping the logits Keras caches on softmax and sigmoid outputs and the
-    outputs' masks (losses and metrics read both)."""
-    if len(parts) == 1:
-        return parts[0]
-
-    def concatenate(tensors):
-        return ops.concatenate(tensors, axis=1)
-
-    output = carry_logits(concatenate(parts), parts, concatenate)
-    masks = [get_keras_mask(t) for t in parts]
-    if all(m is not None for m in masks):
-        set_keras_mask(output, concatenate(masks) if mask_has_model_axis(
-            parts[0], masks[0]) else masks[0])
-    return output
 
 
 def concat_gradients(parts, starts, shape):

@@ -13,17 +13,15 @@ from hftatf.core.compat import (
     run_through_graph,
 )
 from hftatf.graph import input_structure, is_graph_model, weighted_layers
-from hftatf.layers import registry
-from hftatf.layers.fold import (
-    PER_SAMPLE_ADVICE,
+from hftatf.layers import resolve
+from hftatf.layers.fold import copy_layer, has_random_state
+from hftatf.layers.model_axis import (
     BroadcastToModels,
     FoldModelAxis,
     SwapModelAxis,
     UnfoldModelAxis,
-    copy_layer,
-    has_random_state,
-    sample_mixing,
 )
+from hftatf.layers.sample_mixing import PER_SAMPLE_ADVICE, sample_mixing
 
 # What a Model subclass may override that an array built from the model's
 # graph would not run.
@@ -62,7 +60,7 @@ def check_no_weights_shared_into_per_model_layers(model):
             owners.setdefault(id(weight), {})[id(layer)] = layer
     for found in owners.values():
         layers = list(found.values())
-        if len(layers) > 1 and any(registry.runs_per_model(layer)
+        if len(layers) > 1 and any(resolve.runs_per_model(layer)
                                    for layer in layers):
             names = " and ".join(
                 f"'{layer.name}' ({type(layer).__name__})"
@@ -180,7 +178,7 @@ class Walker:
         return (self.models_first
                 and isinstance(operation, keras.layers.Layer)
                 and not is_graph_model(operation)
-                and registry.takes_models_first(operation))
+                and resolve.takes_models_first(operation))
 
     def _find_consumers(self, model):
         """For every layer of `model`, whether every layer that reads its
@@ -222,7 +220,7 @@ class Walker:
         inputs do not have them first (see the class docstring)."""
         return (self._takes_models_first(layer)
                 and self._feeds_models_first.get(id(layer), False)
-                and (registry.prefers_models_first(layer)
+                and (resolve.prefers_models_first(layer)
                      or self._leads_models_first.get(id(layer), False)))
 
     def _runs_models_first(self, layer, tensors):
@@ -263,7 +261,7 @@ class Walker:
         tensors = [t for t in keras.tree.flatten((args, kwargs))
                    if isinstance(t, keras.KerasTensor)]
         if (tensors and all(self._is_shared(t) for t in tensors)
-                and registry.is_foldable(layer)
+                and resolve.is_foldable(layer)
                 and not has_random_state(layer)
                 # Each model is penalised on its own (FusedFold).
                 and layer.activity_regularizer is None):
@@ -284,7 +282,7 @@ class Walker:
             args, kwargs = keras.tree.map_structure(
                 self.per_model, (args, kwargs))
         if id(layer) not in self._fused:
-            self._fused[id(layer)] = (layer, registry.fuse_layer(
+            self._fused[id(layer)] = (layer, resolve.fuse_layer(
                 layer, self.num_models, shared_input=shared,
                 models_first=first))
         outputs = self._fused[id(layer)][1](*args, **kwargs)
@@ -300,7 +298,7 @@ class Walker:
                 # Called once in the stock graph: a layer applied to shared
                 # and per-model tensors needs one layout for its weights.
                 and self._calls[id(layer)] == 1
-                and registry.takes_shared_input(layer))
+                and resolve.takes_shared_input(layer))
 
     def _stock_shape(self, tensor):
         """The stock model's shape of the array's `tensor` (the first of a

@@ -14,7 +14,7 @@ import tensorflow as tf
 from hftatf.core.compat import flatten_layers
 from hftatf.fuse import check_array, fuse
 from hftatf.graph import input_structure, weighted_layers
-from hftatf.layers.per_model import (
+from hftatf.layers.layer_state import (
     derives_state,
     derives_state_by_ops,
     state_derived_in_calls,

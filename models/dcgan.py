@@ -33,11 +33,11 @@ from keras import ops
 
 from hftatf import optimizers as fused_optimizers
 from hftatf.api import hftatf_export
+from hftatf.core.axis import stack_models
 from hftatf.core.compat import (
     scale_loss_for_distribution,
     unscale_loss_for_distribution,
 )
-from hftatf.layers.base import stack_models
 from hftatf.model import FusedModel, PerModelMean
 from hftatf.models import data, recipes
 

@@ -183,9 +183,9 @@ def test_shared_input_layers_refuse_what_they_cannot_compute():
                                   shared_input=True)
     for stock in (keras.layers.LayerNormalization(), keras.layers.Flatten(),
                   keras.layers.Conv2D(4, 3, groups=2)):
-        assert not hftatf.layers.registry.takes_shared_input(stock)
+        assert not hftatf.layers.resolve.takes_shared_input(stock)
         with pytest.raises(ValueError, match="shared input"):
-            hftatf.layers.registry.fuse_layer(stock, 2, shared_input=True)
+            hftatf.layers.resolve.fuse_layer(stock, 2, shared_input=True)
     layer = hftatf.layers.FusedConv2D(2, filters=4, kernel_size=3,
                                       shared_input=True)
     with pytest.raises(ValueError, match="shared by all models"):

@@ -13,6 +13,7 @@ from testing import assert_close
 
 import hftatf
 from hftatf import passes
+from hftatf.core.axis import swap_model_axis, take_models
 
 B = 3
 RATES = [0.01, 0.005, 0.02]
@@ -337,15 +338,15 @@ def test_a_loop_over_passes_joins_their_outputs():
     np.testing.assert_array_equal(joined.numpy()[:, 0], [0, 0, 1, 1, 2, 2])
     batch_first = tf.reshape(tf.range(24.0), (4, 2, 3))  # [batch, k, ...]
     np.testing.assert_array_equal(
-        passes.batch_first(passes.models_first(batch_first)), batch_first)
+        swap_model_axis(swap_model_axis(batch_first)), batch_first)
     assert passes.looped_passes(passes.bounds(7, 2)) == 3
     assert passes.looped_passes(passes.bounds(5, 2)) == 0
     assert passes.looped_passes(passes.bounds(3, 1)) == 3
     losses = passes.spread_losses(tf.constant([1.0, 2.0]), tf.constant(3), 6)
     np.testing.assert_array_equal(losses, [0, 0, 0, 1, 2, 0])
     np.testing.assert_array_equal(
-        passes.take_models(tf.reshape(tf.range(12), (2, 6)), tf.constant(2),
-                           3, axis=1), [[2, 3, 4], [8, 9, 10]])
+        take_models(tf.reshape(tf.range(12), (2, 6)), tf.constant(2), 3,
+                    axis=1), [[2, 3, 4], [8, 9, 10]])
 
 
 # -- what training metrics read: output masks and logits ---------------------

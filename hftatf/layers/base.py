@@ -289,20 +289,3 @@ class FusedLayer(FusedForm, ModelActivityRegularization,
             self.model_activity_regularizer
         )
         return config
-
-
-# re-exported until callers move
-from hftatf.core.axis import (  # noqa: E402, F401
-    carry_logits,
-    mask_has_model_axis,
-    stack_models,
-)
-from hftatf.core.axis import split_models as model_pieces  # noqa: E402, F401
-from hftatf.core.axis import (  # noqa: E402, F401
-    to_model_rank as broadcast_to_models,
-)
-from hftatf.core.compat import keep_logits  # noqa: E402, F401
-from hftatf.core.devices import (  # noqa: E402, F401
-    has_accelerator,
-    runs_on_accelerator,
-)

@@ -467,16 +467,3 @@ class FusedRandomCrop(FusedFold):
                     [leading, [target]], 0)),
                 axis=rank + axis, batch_dims=2)
         return images
-
-
-# re-exported until callers move
-from hftatf.layers.model_axis import (  # noqa: E402, F401
-    BroadcastToModels,
-    FoldModelAxis,
-    SwapModelAxis,
-    UnfoldModelAxis,
-)
-from hftatf.layers.sample_mixing import (  # noqa: E402, F401
-    PER_SAMPLE_ADVICE,
-    sample_mixing,
-)

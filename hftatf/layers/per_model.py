@@ -609,10 +609,3 @@ class _ModelScope(keras.StatelessScope):
             value = ops.stop_gradient(ops.cast(value, read.dtype)) + (
                 read - ops.stop_gradient(read))
         super().add_update((variable, value))
-
-
-# re-exported until callers move
-from hftatf.layers.layer_state import (  # noqa: E402, F401
-    is_stock_convolution,
-    trainable_flags,
-)

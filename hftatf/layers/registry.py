@@ -57,16 +57,3 @@ def registered_classes(kind):
     """The stock layer classes whose registered form is of `kind` (see
     `hftatf.layers.base.FusedLayer.kind`)."""
     return [c for c in supported_layers() if _FUSED_FORMS[c].kind == kind]
-
-
-# re-exported until callers move
-from hftatf.layers.resolve import (  # noqa: E402, F401
-    fuse_layer,
-    fused_form,
-    is_foldable,
-    is_supported,
-    prefers_models_first,
-    runs_per_model,
-    takes_models_first,
-    takes_shared_input,
-)

@@ -7,8 +7,8 @@ from keras import ops
 from hftatf import sparse
 from hftatf.api import hftatf_export
 from hftatf.core import compat
+from hftatf.core.axis import to_model_rank
 from hftatf.core.validation import shared
-from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers.base import FusedOptimizer
 from hftatf.optimizers.hyperparameters import RANGES
 from hftatf.optimizers.lamb import check_required
@@ -153,7 +153,7 @@ class Adafactor(FusedOptimizer):
             mean_square = sparse.sum_per_model(
                 gradient, self.num_models, ops.square(u_rows)) / math.prod(
                     variable.shape[1:])
-            u_rms = broadcast_to_models(ops.sqrt(mean_square),
+            u_rms = to_model_rank(ops.sqrt(mean_square),
                                         len(variable.shape))
         else:
             u_rms = model_rms(u_t)

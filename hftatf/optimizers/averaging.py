@@ -9,7 +9,7 @@ step, with its own `ema_momentum[b]`.
 from keras import ops
 
 from hftatf.core import compat
-from hftatf.layers.base import broadcast_to_models
+from hftatf.core.axis import to_model_rank
 from hftatf.optimizers import scopes
 
 
@@ -36,7 +36,7 @@ class PerModelAveraging:
             [(g + a) / steps for g, a in zip(grads, accumulators)],
             trainable_variables))
         for gradient, accumulator in zip(grads, accumulators):
-            reset = broadcast_to_models(due, len(accumulator.shape))
+            reset = to_model_rank(due, len(accumulator.shape))
             self.assign(accumulator, ops.where(
                 reset, ops.zeros(accumulator.shape, accumulator.dtype),
                 accumulator + gradient))

@@ -11,7 +11,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
-from hftatf.layers.base import broadcast_to_models
+from hftatf.core.axis import to_model_rank
 from hftatf.optimizers import scopes
 
 
@@ -39,7 +39,7 @@ class PerModelClipping:
         clipnorm = self._hyper("clipnorm", gradient)
         if sparse.is_sparse(gradient):
             values = gradient.values
-            l2sum = self._at_rows(broadcast_to_models(
+            l2sum = self._at_rows(to_model_rank(
                 sparse.sum_per_model(gradient, self.num_models,
                                      ops.square(values)), 2), gradient)
             clipnorm = self._at_rows(clipnorm, gradient)

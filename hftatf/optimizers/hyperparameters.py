@@ -16,8 +16,8 @@ import tensorflow as tf
 from keras import ops
 
 from hftatf.core import compat
+from hftatf.core.axis import to_model_rank
 from hftatf.core.validation import LEARNING_RATE, Range, check_range, is_number
-from hftatf.layers.base import broadcast_to_models
 from hftatf.optimizers import scopes
 
 Schedule = keras.optimizers.schedules.LearningRateSchedule
@@ -197,7 +197,7 @@ class PerModelHyperparameters:
         key = (id(values), rank, dtype)
         if cache is not None and key in cache and cache[key][0] is values:
             return cache[key][1]
-        result = broadcast_to_models(ops.cast(values, dtype), rank)
+        result = to_model_rank(ops.cast(values, dtype), rank)
         if cache is not None:
             # The source is kept with its broadcast: its id stays its own.
             cache[key] = (values, result)

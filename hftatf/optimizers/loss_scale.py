@@ -7,7 +7,7 @@ from keras import ops
 from hftatf import sparse
 from hftatf.api import hftatf_export
 from hftatf.core import compat
-from hftatf.layers.base import broadcast_to_models
+from hftatf.core.axis import to_model_rank
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["LossScaleOptimizer"]
@@ -194,12 +194,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
     def _unscaled(self, gradient):
         """`gradient` divided by each model's scale."""
         if sparse.is_sparse(gradient):
-            scale = sparse.at_rows(broadcast_to_models(
+            scale = sparse.at_rows(to_model_rank(
                 self.dynamic_scale, len(gradient.values.shape)), gradient,
                 self.num_models)
             return sparse.with_values(gradient,
                                       ops.divide(gradient.values, scale))
-        return ops.divide(gradient, broadcast_to_models(
+        return ops.divide(gradient, to_model_rank(
             self.dynamic_scale, len(gradient.shape)))
 
     def _update_scales(self, finite, model_mask):

@@ -16,7 +16,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
-from hftatf.layers.base import broadcast_to_models
+from hftatf.core.axis import to_model_rank
 from hftatf.optimizers import scopes
 
 
@@ -259,7 +259,7 @@ class PerModelSteps:
                 f"'{variable.name}' during a step applied to some models "
                 "only; only [num_models, ...] variables can be updated per "
                 "model. Give the variable a leading model axis.")
-        mask = broadcast_to_models(mask, len(variable.shape))
+        mask = to_model_rank(mask, len(variable.shape))
         return ops.where(mask, ops.cast(value, variable.dtype),
                          scopes.read(variable))
 

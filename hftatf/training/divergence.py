@@ -14,7 +14,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
-from hftatf.layers.base import broadcast_to_models
+from hftatf.core.axis import to_model_rank
 
 
 class ModelStatus(keras.metrics.Metric):
@@ -265,7 +265,7 @@ class Divergence:
         skip the work on steps that restore none)."""
         for variable, value in zip(variables, values):
             variable.assign(ops.where(
-                broadcast_to_models(models, len(variable.shape)), value,
+                to_model_rank(models, len(variable.shape)), value,
                 variable))
 
     def check_batch(self, where):
@@ -382,7 +382,7 @@ class Divergence:
         if state is not None:
             for variable, before in zip(*state):
                 variable.assign(ops.where(
-                    broadcast_to_models(training, len(variable.shape)),
+                    to_model_rank(training, len(variable.shape)),
                     variable, before))
         self._status.update_state(
             ops.logical_and(ops.logical_and(active, ops.logical_not(

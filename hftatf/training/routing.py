@@ -10,9 +10,7 @@ says. Model `b` then gets its slice (`y[:, b]`) or the whole.
 import keras
 from keras import ops
 
-from hftatf.core import compat
-from hftatf.core.compat import get_keras_mask, set_keras_mask
-from hftatf.layers.base import keep_logits, mask_has_model_axis
+from hftatf.core.axis import split_models
 
 
 def same_shape(a, b):
@@ -56,31 +54,6 @@ def takes_class_ids(loss):
     return "sparse" in getattr(loss, "__name__", "").lower()
 
 
-def model_slices(tensor, num_models, unstack):
-    """Each model's slice of `tensor` (`unstack(tensor, num_models)`, the
-    backend trainer's), keeping the logits Keras caches on softmax and
-    sigmoid outputs (its crossentropy reads them for exactness) and the
-    output's mask (its losses and metrics leave masked steps out)."""
-    slices = unstack(tensor, num_models)
-    logits = compat.keras_logits(tensor)
-    if logits is not None:
-        for sliced, sliced_logits in zip(slices,
-                                         unstack(logits, num_models)):
-            keep_logits(sliced, sliced_logits)
-    mask = get_keras_mask(tensor)
-    if mask is not None:
-        if mask_has_model_axis(tensor, mask):
-            masks = unstack(mask, num_models)
-        elif len(mask.shape) == len(tensor.shape) - 2:  # shared
-            masks = [mask] * num_models
-        else:
-            masks = [None] * num_models
-        for sliced, sliced_mask in zip(slices, masks):
-            if sliced_mask is not None:
-                set_keras_mask(sliced, sliced_mask)
-    return slices
-
-
 def class_weight_table(class_weight):
     """`class_weight` (a dict from class ids to weights, or None) as a list
     indexed by class id (1.0 for ids it leaves out), or None."""
@@ -103,7 +76,7 @@ class LabelRouting:
 
     Reads `num_models`, `_per_model_labels` (the `compile` argument),
     `_user_loss` (the compiled loss), `_class_weight` (the table `fit`
-    applies) and the backend trainer's `_unstack_models`.
+    applies).
     """
 
     def _is_per_model(self, label, prediction, loss=None):
@@ -262,10 +235,10 @@ class LabelRouting:
 
     def _model_predictions(self, y_pred):
         """Each model's predictions (`y_pred[:, b]` of every output), from
-        one `unstack` per output."""
+        one `split_models` per output."""
         flat = keras.tree.flatten(y_pred)
         count = flat[0].shape[1]
-        flat = [model_slices(t, count, self._unstack_models) for t in flat]
+        flat = [split_models(t, count) for t in flat]
         return [keras.tree.pack_sequence_as(y_pred, [s[b] for s in flat])
                 for b in range(count)]
 

@@ -10,14 +10,14 @@ from keras import ops
 from hftatf import optimizers as fused_optimizers
 from hftatf.core import compat
 from hftatf.graph import config_layers, graph_layers, is_graph_model
-from hftatf.layers import objects, per_model
+from hftatf.layers import layer_state, objects, per_model
 
 
 def trainable_flags(model):
     """`{path: flags}` of the graph `model` (an array or a stock model):
     for each nested functional or Sequential model its own `[trainable]`
     flag, and for each layer with weights its `trainable` flags and those
-    of the layers inside it (`per_model.trainable_flags`; of the stock
+    of the layers inside it (`layer_state.trainable_flags`; of the stock
     layer that a layer run per model holds). Paths are those of
     `hftatf.graph.graph_layers`."""
     found = {}
@@ -25,7 +25,7 @@ def trainable_flags(model):
         if is_graph_model(layer):
             found[path] = [layer.trainable]
         elif layer.weights:
-            found[path] = per_model.trainable_flags(
+            found[path] = layer_state.trainable_flags(
                 layer.layer if isinstance(layer, per_model.FusedPerModel)
                 else layer)
     return found
@@ -42,10 +42,7 @@ def set_trainable_flags(model, flags):
         given = flags.get(path)
         if given is None:
             continue
-        if len(given) == len(compat.flatten_layers(layer)):
-            per_model.set_trainable_flags(layer, given)
-        else:
-            per_model.set_trainable(layer, given[0])
+        layer_state.set_trainable_flags(layer, given, strict=False)
 
 
 def _restore_layer_names(model, config):

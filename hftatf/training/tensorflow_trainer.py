@@ -25,8 +25,6 @@ A backend trainer provides:
 * the step ends with `apply_model_gradients` (`hftatf.training.divergence`,
   backend-independent), which applies the fused optimizer to the models
   that may take the step.
-* `_unstack_models(tensor, count)`: each model's slice of an output, as
-  cheaply as the backend allows.
 * `_pass_model(count)`: the array of `count` models a pass runs, and the
   role of each variable (`passes.variable_roles`).
 * `_uses_replica_jit(jit_compile, run_eagerly)`: whether each replica's
@@ -45,16 +43,18 @@ from keras import ops
 
 from hftatf import passes, seeds, sparse
 from hftatf.core import compat
+from hftatf.core.axis import (
+    concat_models,
+    mask_has_model_axis,
+    swap_model_axis,
+    take_models,
+    to_model_rank,
+)
 from hftatf.core.compat import (
     get_keras_mask,
+    keep_logits,
     model_supports_jit,
     set_keras_mask,
-)
-from hftatf.layers.base import (
-    broadcast_to_models,
-    keep_logits,
-    mask_has_model_axis,
-    model_pieces,
 )
 
 
@@ -82,35 +82,6 @@ def _restore_output_attributes(y_pred, masks, logits, *rest):
     return (y_pred, *rest)
 
 
-def _transposed_by(tensor, order):
-    """Whether `tensor` is, in a traced graph, the output of a transpose
-    by `order`."""
-    op = None if tf.executing_eagerly() else getattr(tensor, "op", None)
-    if op is None or op.type != "Transpose":
-        return False
-    perm = tf.get_static_value(op.inputs[1])
-    return perm is not None and tuple(perm.tolist()) == order
-
-
-def unstack_models(tensor, num_models):
-    """`[tensor[:, b] for b in range(num_models)]`, without copies where
-    they can be avoided.
-
-    One model's slice is a reshape (no copy, nor in its gradient). Several
-    are one `unstack` (whose gradient is one `stack`: B separate slices
-    would cost B gradients of the size of the whole tensor). Where the
-    tensor was just transposed from models first (the last product of the
-    array, `dense.per_model_matmul`), it is transposed back and unstacked
-    on its first axis: TensorFlow's optimizers cancel the two transposes,
-    and an unstack of the first axis shares its input's memory. Where
-    it was stacked from per-model results (`model_pieces`), they are the
-    slices."""
-    swap = (1, 0, *range(2, len(tensor.shape)))
-    if num_models > 1 and _transposed_by(tensor, swap):
-        return ops.unstack(ops.transpose(tensor, swap), num_models, axis=0)
-    return model_pieces(tensor, num_models, 1)
-
-
 def _joined_sparse(first, arrays, count, num_models):
     """The sparse gradient of `num_models` models, from the joined values
     and indices next in `arrays` (`first`: the first pass's, of `count`
@@ -134,7 +105,7 @@ def _select_models(variable, value, models):
     does)."""
     def select():
         variable.assign(tf.where(
-            broadcast_to_models(models, len(variable.shape)), value,
+            to_model_rank(models, len(variable.shape)), value,
             variable))
 
     tf.cond(tf.reduce_any(models), select, lambda: None)
@@ -143,7 +114,7 @@ def _select_models(variable, value, models):
 def _pass_values(values, roles, start, count):
     """Values for the pass of models `start:start + count`: the slices of
     those that carry the model axis, the others whole."""
-    return [passes.take_models(value, start, count) if sliced else value
+    return [take_models(value, start, count) if sliced else value
             for value, sliced in zip(values, roles)]
 
 
@@ -196,10 +167,6 @@ class TensorFlowTrainer:
         losses = self.compute_model_losses(
             x, y, y_pred, sample_weight, training=False)
         return self._track(x, y, y_pred, sample_weight, losses)
-
-    @staticmethod
-    def _unstack_models(tensor, num_models):
-        return unstack_models(tensor, num_models)
 
     def _uses_replica_jit(self, jit_compile, run_eagerly):
         """Whether each replica's forward and backward pass is compiled
@@ -335,7 +302,7 @@ class TensorFlowTrainer:
             for variable, sliced, g in zip(trainable, trainable_roles,
                                            zip(*gradients))]
         y_pred = keras.tree.map_structure(
-            lambda *p: passes.concat_models(list(p)), *preds)
+            lambda *p: concat_models(list(p)), *preds)
         return y_pred, ops.concatenate(losses, axis=0), gradients
 
     def _one_pass(self, start, count, x, y, sample_weight, values, carried,
@@ -352,7 +319,7 @@ class TensorFlowTrainer:
         model, (trainable_roles, state_roles) = self._pass_model(count)
         with tf.control_dependencies(previous):
             inputs = [tf.identity(t) if shared else
-                      passes.take_models(t, start, count, axis=1)
+                      take_models(t, start, count, axis=1)
                       for t, shared in zip(keras.tree.flatten(x),
                                            self._shared_inputs)]
         inputs = keras.tree.pack_sequence_as(x, inputs)
@@ -411,10 +378,10 @@ class TensorFlowTrainer:
                          for g, role in zip(gradients, trainable_roles)]
             shared = [g for g, role in gradients
                       if not role and g is not None]
-            return ([passes.models_first(t) for t in flat]
-                    + [passes.models_first(compat.keras_logits(t))
+            return ([swap_model_axis(t) for t in flat]
+                    + [swap_model_axis(compat.keras_logits(t))
                        for t, has in zip(flat, logits) if has]
-                    + [passes.models_first(get_keras_mask(t))
+                    + [swap_model_axis(get_keras_mask(t))
                        for t, has in zip(flat, masked) if has]
                     + [losses] + per_model
                     + [s for s in sliced if s is not None]), shared
@@ -451,14 +418,14 @@ class TensorFlowTrainer:
             (start, arrays, sums, shared_of(carried)), parallel_iterations=1,
             maximum_iterations=num_passes - 1)
         arrays = iter([passes.joined(a) for a in arrays])
-        flat = [passes.batch_first(next(arrays))
+        flat = [swap_model_axis(next(arrays))
                 for _ in logits]  # one entry per output
         for t, has in zip(flat, logits):
             if has:
-                keep_logits(t, passes.batch_first(next(arrays)))
+                keep_logits(t, swap_model_axis(next(arrays)))
         for t, has, mask in zip(flat, masked, first_masks):
             if has:
-                set_keras_mask(t, passes.batch_first(next(arrays)))
+                set_keras_mask(t, swap_model_axis(next(arrays)))
             elif mask is not None:
                 set_keras_mask(t, mask)
         losses = next(arrays)

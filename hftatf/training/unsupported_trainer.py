@@ -14,9 +14,5 @@ class UnsupportedBackendTrainer:
             f"'{keras.backend.backend()}', for which hftatf has no trainer "
             "yet. Set KERAS_BACKEND=tensorflow before importing Keras.")
 
-    @staticmethod
-    def _unstack_models(tensor, num_models):
-        return keras.ops.unstack(tensor, num_models, axis=1)
-
     def _uses_replica_jit(self, jit_compile, run_eagerly):
         return False

@@ -27,7 +27,7 @@ from keras_tuner.src.engine import trial as trial_module
 from keras_tuner.src.engine import tuner as tuner_module
 from keras_tuner.src.engine import tuner_utils
 
-from hftatf.layers.base import has_accelerator
+from hftatf.core.devices import has_accelerator
 from hftatf.tuning import arrays, sizing
 from hftatf.tuning.trial_callbacks import TrialRecorder, for_array
 

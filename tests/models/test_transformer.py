@@ -114,7 +114,7 @@ def test_fused_reversible_embedding_config_round_trip():
         layer.get_config())
     assert again.get_config() == layer.get_config()
     stock = transformer.ReversibleEmbedding(VOCABULARY, 6)
-    fused = hftatf.layers.registry.fuse_layer(stock, B)
+    fused = hftatf.layers.resolve.fuse_layer(stock, B)
     assert type(fused) is transformer.FusedReversibleEmbedding
 
 

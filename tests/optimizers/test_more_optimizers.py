@@ -24,7 +24,7 @@ from testing import (
 
 import hftatf
 from hftatf import optimizers
-from hftatf.layers.base import broadcast_to_models
+from hftatf.core.axis import to_model_rank
 
 B = 3
 # No dimension but the model axis is B; test_variables_with_an_axis_of_size_b
@@ -241,7 +241,7 @@ def test_the_step_number_comes_from_local_step(name):
     def local_step(variable):
         steps = ops.cast(fused.iterations + 1, variable.dtype) + ops.cast(
             offsets, variable.dtype)
-        return broadcast_to_models(steps, len(variable.shape))
+        return to_model_rank(steps, len(variable.shape))
 
     fused._local_step = local_step
     for opt, variables, offset in zip(stock, stock_vars, offsets):
