@@ -7,7 +7,8 @@ import setuptools
 
 HERE = pathlib.Path(__file__).parent
 VERSION = re.search(
-    r'__version__ = "([^"]+)"', (HERE / "hftatf" / "__init__.py").read_text()
+    r'__version__ = "([^"]+)"',
+    (HERE / "hftatf" / "core" / "version.py").read_text(),
 ).group(1)
 
 setuptools.setup(

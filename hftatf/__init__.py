@@ -11,11 +11,10 @@ Train B same-architecture Keras models as one fused model:
 """
 
 # ruff: noqa: E402
-__version__ = "0.1.0"
-
 # First: a launcher's process silences TensorFlow's start-up notes, which
 # must happen before TensorFlow is imported (hftatf.core.startup).
 from hftatf.core import startup
+from hftatf.core.version import __version__  # noqa: F401
 
 startup.quiet_launcher_start()
 

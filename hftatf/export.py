@@ -26,9 +26,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-import hftatf
 from hftatf.core import hooks
 from hftatf.core.logs import as_given, split_logs, weights_epoch
+from hftatf.core.version import __version__
 from hftatf.fuse import (
     check_array,
     compile_stock_model,
@@ -131,7 +131,7 @@ def model_diverged(array, index):
 
 def library_versions():
     """The versions an export was written with."""
-    return {"hftatf": hftatf.__version__,
+    return {"hftatf": __version__,
             "keras": keras.__version__,
             "tensorflow": tf.__version__,
             "numpy": np.__version__,
