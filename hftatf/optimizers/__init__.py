@@ -8,7 +8,7 @@ import inspect
 
 import keras
 
-from hftatf.core import compat
+from hftatf.core import compat, hooks
 from hftatf.optimizers import schedules
 from hftatf.optimizers.adadelta import Adadelta
 from hftatf.optimizers.adafactor import Adafactor
@@ -74,6 +74,7 @@ def _loss_scale_class():
     return globals().get("LossScaleOptimizer")
 
 
+@hooks.provides("optimizers.get")
 def get(identifier):
     """Returns a fused optimizer for `identifier`.
 

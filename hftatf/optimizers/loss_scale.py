@@ -6,7 +6,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.api import hftatf_export
-from hftatf.core import compat
+from hftatf.core import compat, hooks
 from hftatf.core.axis import to_model_rank
 from hftatf.optimizers.base import FusedOptimizer
 
@@ -66,9 +66,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
     def __init__(self, inner_optimizer, initial_scale=2.0**15,
                  dynamic_growth_steps=2000, name=None, **kwargs):
         if not isinstance(inner_optimizer, FusedOptimizer):
-            from hftatf.optimizers import get
-
-            inner_optimizer = get(inner_optimizer)
+            # `hftatf.optimizers.get`: the package imports this module.
+            inner_optimizer = hooks.call("optimizers.get", inner_optimizer)
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=dynamic_growth_steps,
                          name=name, **kwargs)
