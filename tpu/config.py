@@ -32,6 +32,9 @@ import numbers
 import pathlib
 import re
 
+from hftatf import optimizers
+from hftatf.models import recipes
+
 # Multipliers of a recipe's learning rate that an array gets when no
 # hyper-parameter is given: a half-decade sweep around it.
 DEFAULT_SWEEP = (3.0, 1.0, 0.3, 0.1)
@@ -305,8 +308,6 @@ class Config:
 
     def recipe(self):
         """The zoo recipe of `model`."""
-        from hftatf.models import recipes
-
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(
                 f"--model must be a zoo model name. Received: "
@@ -320,11 +321,9 @@ class Config:
 
     def optimizer_class(self):
         """The fused optimizer class of `optimizer` (or of the recipe)."""
-        import hftatf
-
         name = self.optimizer or self.recipe().optimizer
         try:
-            return type(hftatf.optimizers.get(name))
+            return type(optimizers.get(name))
         except (ValueError, TypeError) as error:
             raise ConfigError(f"--optimizer: {error}") from None
 
