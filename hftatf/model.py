@@ -278,14 +278,6 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         # as Keras builds its own.
         unbuilt = [m for m in (self._model_metrics or []) + (
             self._model_losses or []) if not m.built]
-        if unbuilt and data_batch is None and iterator is not None:
-            # `fit` passes its iterator (and resets it after): built here,
-            # the metrics are not built inside the traced step, which would
-            # trace it twice. As `keras.Model._symbolic_build` reads it.
-            for _, _, data in iterator:
-                data_batch = (data[0] if isinstance(data, (list, tuple))
-                              else next(data))
-                break
         if not unbuilt or data_batch is None:
             return
 

@@ -112,7 +112,9 @@ def test_passes_draw_independent_randomness(monkeypatch, jit_compile):
 def test_diverging_model_in_a_pass_leaves_the_others():
     x, y, weights = data()
     initial = hftatf.fuse(network(), B).get_weights()
-    rates = [0.05, float("inf"), 0.05]
+    # Model 1's rate is finite (an infinite one is refused) but large
+    # enough to overflow its weights.
+    rates = [0.05, 1e38, 0.05]
 
     def train(models_per_pass):
         array = hftatf.fuse(network(), B)

@@ -496,8 +496,6 @@ from keras.src.trainers.trainer import model_supports_jit  # noqa: E402,F401
 TRAINER_OVERRIDES = (
     # builds the per-model losses and metrics before a strategy traces.
     "_symbolic_build",
-    # builds them before the step is traced without a strategy too.
-    "_maybe_symbolic_build",
     # decides `jit_compile="auto"`.
     "_resolve_auto_jit_compile",
     # the order of `evaluate`'s list of results.

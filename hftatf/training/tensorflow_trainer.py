@@ -122,19 +122,6 @@ class TensorFlowTrainer:
     """Mixin of `FusedModel`: its steps on the TensorFlow backend (see the
     module docstring for what a backend trainer provides)."""
 
-    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras builds state symbolically only under a strategy, and leaves
-        # it to the traced step elsewhere; the array's per-model losses and
-        # metrics, built inside the step, would make TensorFlow trace it
-        # twice (a cost that grows with B), so they are built first.
-        if compat.distribute_strategy(self) is None and any(
-                not m.built for m in (self._model_metrics or []) + (
-                    self._model_losses or [])):
-            self._symbolic_build(iterator=iterator, data_batch=data_batch)
-            return
-        super()._maybe_symbolic_build(iterator=iterator,
-                                      data_batch=data_batch)
-
     def make_train_function(self, force=False):
         """As Keras's, but the step (this class's `train_step`, or a
         subclass's) is traced with its random draws taking their keys
