@@ -105,7 +105,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         global_state_value = metadata.get("global_random_state")
         if global_state_value is not None:
             # Unseeded random ops (e.g. stochastic depth) draw from it.
-            generators.append(compat.global_seed_generator())
+            generators.append(compat.global_seed_generator(create=True))
             states = [*states, global_state_value]
         for generator, state in zip(generators, states):
             generator.state.assign(np.asarray(

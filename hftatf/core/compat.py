@@ -163,9 +163,12 @@ def draw_tf_seed(seed_generator):
     return _tf_random._cast_seed(_seed_generator.draw_seed(seed_generator))
 
 
-def global_seed_generator():
-    """Keras's global seed generator (which unseeded draws advance), or
-    None before the first; Keras 3.15 exports no accessor."""
+def global_seed_generator(create=False):
+    """Keras's global seed generator (which unseeded draws advance): made
+    first where `create`, else None before the first draw; Keras 3.15
+    exports no accessor."""
+    if create:
+        return _seed_generator.global_seed_generator()
     return _global_state.get_global_attribute(
         _seed_generator.GLOBAL_SEED_GENERATOR)
 
