@@ -90,8 +90,13 @@ def test_main_job_trains_reports_and_exports_four_models(tmp_path, capsys):
         ("0", str(b)) for b in range(4)]
     config_files = sorted(p.name for p in model_dir.glob("config.*"))
     assert config_files in (["config.yaml"], ["config.json"])
-    for b in range(4):
-        assert list((model_dir / "logs" / f"model_{b}").glob("events.*"))
+    # One TensorBoard run per model, named after its rate, with training
+    # and validation as stock Keras writes them.
+    runs = sorted((model_dir / "logs").iterdir())
+    assert [run.name for run in runs] == sorted(f"lr={r}" for r in rates)
+    for run in runs:
+        for split in ("train", "validation"):
+            assert list((run / split).glob("events.*")), (run, split)
     plot = model_dir / plots.LOSS_CURVES_FILE
     try:
         import matplotlib  # noqa: F401
