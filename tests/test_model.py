@@ -670,3 +670,16 @@ def test_the_private_keras_methods_an_array_overrides_exist():
     # (`hftatf.core.compat.TRAINER_OVERRIDES`): a Keras that renames one
     # would silently skip the array's own.
     assert compat.trainer_overrides_missing() == []
+
+
+def test_evaluate_lists_per_model_entries_in_model_order():
+    x, y = data(n=16)
+    array = hftatf.fuse(mlp(), 12)
+    array.compile(hftatf.optimizers.SGD(0.1),
+                  loss="sparse_categorical_crossentropy")
+    results = array.evaluate(x, y, verbose=0)
+    logs = array.evaluate(x, y, verbose=0, return_dict=True)
+    # The mean first, then loss_0, loss_1, ..., loss_11 (not loss_10 before
+    # loss_2).
+    assert_close(results, [logs["loss"]] + [logs[f"loss_{b}"]
+                                            for b in range(12)])

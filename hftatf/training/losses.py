@@ -253,7 +253,8 @@ class PerModelLosses:
         """`logs` as the list `evaluate` and `*_on_batch` return without
         `return_dict`: the list stock Keras returns (its order, each name
         once, though every model has its own copy of each compiled metric;
-        then the other logs, sorted), then the per-model entries, sorted."""
+        then the other logs, sorted), then the per-model entries, by name
+        and in model order (`loss_0`, `loss_1`, ..., `loss_10`)."""
         names = []
         for metric in self.metrics:
             for name in ([m.name for m in metric.metrics]
@@ -261,11 +262,12 @@ class PerModelLosses:
                          else [metric.name]):
                 if name not in names:
                     names.append(name)
-        per_model = {model_log_name(name, b) for name in logs
-                     for b in range(self.num_models)} & set(logs)
+        per_model = [model_log_name(name, b) for name in sorted(logs)
+                     for b in range(self.num_models)
+                     if model_log_name(name, b) in logs]
         stock = [name for name in names if name in logs]
-        stock += sorted(set(logs) - set(stock) - per_model)
-        results = [logs[key] for key in stock + sorted(per_model)]
+        stock += sorted(set(logs) - set(stock) - set(per_model))
+        results = [logs[key] for key in stock + per_model]
         return results[0] if len(results) == 1 else results
 
     def _user_metrics(self):
