@@ -244,7 +244,7 @@ def _seed_generators(model):
     """Every seed generator the model's layers draw from, in a fixed
     order."""
     generators = []
-    for layer in compat.flatten_layers(model):
+    for layer in compat.inner_layers(model):
         for generator in compat.seed_generators(layer):
             if all(generator is not g for g in generators):
                 generators.append(generator)

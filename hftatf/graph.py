@@ -3,7 +3,7 @@ its array alike: the paths that name the same layer in both."""
 
 import keras
 
-from hftatf.core.compat import flatten_layers, is_functional_graph
+from hftatf.core.compat import inner_layers, is_functional_graph
 from hftatf.layers.layer_state import derives_state
 
 
@@ -54,7 +54,7 @@ def finalize_derived_state(layer):
     their weights (an adapted `Normalization` keeps its mean and variance
     as tensors read from its weights), as loading a saved model does:
     `set_weights` and checkpoint reads leave it as it was."""
-    for inner in flatten_layers(layer):
+    for inner in inner_layers(layer):
         if derives_state(inner):
             inner.finalize_state()
 

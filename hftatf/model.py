@@ -247,7 +247,7 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         if (models_per_pass not in (None, "auto")
                 and models_per_pass < self.num_models
                 and self._weights_assigned_in_training()):
-            layer = next(layer for layer in compat.flatten_layers(self)
+            layer = next(layer for layer in compat.inner_layers(self)
                          if getattr(layer, "assigns_weights_in_training",
                                     False))
             raise ValueError(
@@ -316,7 +316,7 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
     def _weights_assigned_in_training(self):
         """The trainable weights that a forward pass in training assigns
         (a spectral normalization's kernel), in no particular order."""
-        return [variable for layer in compat.flatten_layers(self)
+        return [variable for layer in compat.inner_layers(self)
                 if getattr(layer, "assigns_weights_in_training", False)
                 for variable in layer.trainable_weights]
 
@@ -339,10 +339,10 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
                 "nearest", "bilinear")
             or getattr(layer, "antialias", False)
             or getattr(layer, "pad_to_aspect_ratio", False)
-            for layer in objects.all_layers(compat.flatten_layers(self)))
+            for layer in objects.all_layers(compat.inner_layers(self)))
 
     def _has_convolutions(self):
-        layers = list(compat.flatten_layers(self))
+        layers = list(compat.inner_layers(self))
         return any(convolutional.is_convolution(layer) for layer in layers) or (
             any(layer_state.is_stock_convolution(inner)
                 for inner in per_model.layers_inside(layers)))

@@ -115,7 +115,7 @@ def activation_bytes_per_model(array, batch_size):
     samples: the working set a training step keeps per model for its
     backward pass."""
     total = 0
-    for layer in compat.flatten_layers(array, include_self=False):
+    for layer in compat.inner_layers(array, include_self=False):
         for node in compat.inbound_nodes(layer):
             for tensor in keras.tree.flatten(node.output_tensors):
                 shape = tuple(tensor.shape)[1:]

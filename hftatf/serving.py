@@ -11,7 +11,7 @@ import tempfile
 import keras
 import tensorflow as tf
 
-from hftatf.core.compat import flatten_layers
+from hftatf.core.compat import inner_layers
 from hftatf.fuse import check_array, fuse
 from hftatf.graph import input_structure, weighted_layers
 from hftatf.layers.layer_state import (
@@ -199,7 +199,7 @@ def _derives_state_from_values(model):
     stateless call derives it from the values it is given (`_bound_call`).
     Models with other such layers are served from the array's outputs."""
     return all(derives_state_by_ops(layer)
-               for layer in flatten_layers(model) if derives_state(layer))
+               for layer in inner_layers(model) if derives_state(layer))
 
 
 def _variable_map(array, model, index):
@@ -220,7 +220,7 @@ def _bound_call(model, mapping):
     # now, while eager, and kept as constants.
     fixed = {id(v): keras.ops.convert_to_numpy(v)
              for v in model.variables if id(v) not in mapping}
-    derived = [layer for layer in flatten_layers(model)
+    derived = [layer for layer in inner_layers(model)
                if derives_state(layer)]
 
     def value(variable):

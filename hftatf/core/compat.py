@@ -422,12 +422,6 @@ def run_through_graph(model, inputs, call_fn):
                                     call_fn=call_fn)
 
 
-def flatten_layers(layer, include_self=True):
-    """Every layer inside `layer`, nested ones included (no public
-    recursive listing)."""
-    return layer._flatten_layers(include_self=include_self)
-
-
 def compile_config(model):
     """The arguments `model.compile` was called with ({} if it was not;
     `get_compile_config` returns them serialized)."""

@@ -251,7 +251,7 @@ class Divergence:
         diverging models theirs back. Take it before the forward pass."""
         # Not the seed generators' states (shape [2], B's shape when B is
         # 2): random streams go on for frozen models too.
-        seeds = {id(g.state) for layer in compat.flatten_layers(self)
+        seeds = {id(g.state) for layer in compat.inner_layers(self)
                  for g in compat.seed_generators(layer)}
         variables = [v for v in self.non_trainable_variables
                      if len(v.shape) and v.shape[0] == self.num_models

@@ -213,7 +213,7 @@ class PerModelLosses:
                     metrics.extend(per_model.metrics if isinstance(
                         per_model, CompileLoss) else [per_model])
         metrics.extend(self._user_metrics())
-        for layer in compat.flatten_layers(self, include_self=False):
+        for layer in compat.inner_layers(self, include_self=False):
             if not isinstance(layer, keras.Model):
                 metrics.extend(layer.metrics)
         return metrics

@@ -238,7 +238,7 @@ class Surgery:
         that this array's layers hold deserialize from `config` (a
         serialized model, whose Python lambdas it rewrites to be found
         too: `hftatf.layers.objects`)."""
-        layers = list(compat.flatten_layers(self))
+        layers = list(compat.inner_layers(self))
         return keras.saving.CustomObjectScope({
             **objects.live_objects(layers),
             **objects.live_lambdas(config, layers)})

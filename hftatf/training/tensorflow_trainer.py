@@ -233,8 +233,8 @@ class TensorFlowTrainer:
                 self._pass_models.models[count] = self._rebuilt(count)
         model = self._pass_models.models[count]
         for layer, twin in zip(
-                compat.flatten_layers(self, include_self=False),
-                compat.flatten_layers(model, include_self=False)):
+                compat.inner_layers(self, include_self=False),
+                compat.inner_layers(model, include_self=False)):
             twin.trainable = layer.trainable
         roles = (passes.variable_roles(self.trainable_variables,
                                        model.trainable_variables, count),
