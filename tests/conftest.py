@@ -20,18 +20,40 @@ if not ON_GPU:
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-if ON_GPU:
+BACKEND = keras.backend.backend()
+if ON_GPU and BACKEND == "tensorflow":
+    import tensorflow as tf
+
     tf.config.experimental.enable_tensor_float_32_execution(False)
+elif ON_GPU and BACKEND == "jax":
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _has_gpu():
+    if BACKEND == "jax":
+        import jax
+
+        return any(d.platform == "gpu" for d in jax.devices())
+    import tensorflow as tf
+
+    return bool(tf.config.list_physical_devices("GPU"))
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("backends")
+        if marker is not None and BACKEND not in marker.args:
+            item.add_marker(pytest.mark.skip(reason=(
+                f"holds on {', '.join(marker.args)} only (Keras runs on "
+                f"{BACKEND}): {marker.kwargs.get('reason', '')}")))
     if not ON_GPU:
         return
-    if not tf.config.list_physical_devices("GPU"):
+    if not _has_gpu():
         raise pytest.UsageError(
-            "HFTATF_TEST_GPU=1 runs the GPU tests, but TensorFlow sees no "
+            f"HFTATF_TEST_GPU=1 runs the GPU tests, but {BACKEND} sees no "
             "GPU here. Unset it to run the suite on the CPU.")
     # The rest of the suite asserts the CPU's rules.
     config.hook.pytest_deselected(

@@ -4,7 +4,8 @@ import collections
 
 import keras
 import numpy as np
-from tensorflow.python.eager import context
+
+BACKEND = keras.backend.backend()
 
 # float32 arithmetic done in another order (einsum vs matmul, XLA vs not):
 # differences are a few units in the last place of the values involved.
@@ -125,6 +126,57 @@ def stock_and_fused_embeddings(num_models, input_dim, output_dim, rng,
     return stock, fused
 
 
+def value_and_gradients(function, tensors, variables=(), state=()):
+    """`function(*tensors)` (returning `(outputs, scalar)`) and the
+    gradients of `scalar` with respect to each of `tensors` and each
+    Keras variable in `variables`, on the backend the suite runs on (a
+    `tf.GradientTape` on TensorFlow, `jax.grad` over the variables' values
+    in a `keras.StatelessScope` on JAX, after which the values `function`
+    assigned to the variables in `state` are assigned to them). Unconnected
+    gradients are zeros.
+
+    Returns `(outputs, tensor_gradients, variable_gradients)`; gradients of
+    embedding tables are dense.
+    """
+    variables = list(variables)
+    if BACKEND == "jax":
+        import jax
+
+        trained = {id(v) for v in variables}
+        state = [v for v in state if id(v) not in trained]
+
+        def scalar_of(tensors, values):
+            mapping = list(zip(variables, values)) + [
+                (v, v.value) for v in state]
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                outputs, scalar = function(*tensors)
+            return scalar, (outputs, [scope.get_current_value(v)
+                                      for v in state])
+
+        (_, (outputs, updated)), (dx, dw) = jax.value_and_grad(
+            scalar_of, argnums=(0, 1), has_aux=True)(
+                [keras.ops.convert_to_tensor(t) for t in tensors],
+                [v.value for v in variables])
+        for variable, value in zip(state, updated):
+            variable.assign(value)
+        return outputs, [np.asarray(g) for g in dx], [
+            np.asarray(g) for g in dw]
+    import tensorflow as tf
+
+    from hftatf import sparse
+
+    tensors = [tf.constant(t) for t in tensors]
+    with tf.GradientTape() as tape:
+        tape.watch(tensors)
+        outputs, scalar = function(*tensors)
+    grads = tape.gradient(scalar, [*tensors, *variables],
+                          unconnected_gradients="zero")
+    # (A fused embedding's sparse gradient is of its flattened table.)
+    grads = [np.asarray(sparse.dense(g, x.shape))
+             for g, x in zip(grads, [*tensors, *variables])]
+    return outputs, grads[:len(tensors)], grads[len(tensors):]
+
+
 def layer_outputs_and_gradients(layer, inputs, cotangents, training=None,
                                 **call_kwargs):
     """`layer(*inputs)` and the gradients of `sum(output_i * cotangent_i)`
@@ -132,30 +184,25 @@ def layer_outputs_and_gradients(layer, inputs, cotangents, training=None,
 
     Returns `(outputs, input_gradients, weight_gradients)` as NumPy lists.
     """
-    import tensorflow as tf
+    kwargs = dict(call_kwargs)
+    if training is not None:
+        kwargs["training"] = training
+    floating = [i for i, x in enumerate(inputs)
+                if np.issubdtype(np.asarray(x).dtype, np.floating)]
 
-    inputs = [tf.constant(x) for x in inputs]
-    with tf.GradientTape() as tape:
-        for x in inputs:
-            if x.dtype.is_floating:
-                tape.watch(x)
-        kwargs = dict(call_kwargs)
-        if training is not None:
-            kwargs["training"] = training
-        outputs = layer(*inputs, **kwargs)
-        flat = [o for o in tf.nest.flatten(outputs)]
-        scalar = tf.add_n([tf.reduce_sum(tf.cast(o, "float32") * c)
-                           for o, c in zip(flat, cotangents)])
-    floating = [x for x in inputs if x.dtype.is_floating]
-    grads = tape.gradient(scalar, [*floating, *layer.trainable_weights],
-                          unconnected_gradients="zero")
-    from hftatf import sparse
+    def forward(*tensors):
+        given = list(inputs)
+        for i, tensor in zip(floating, tensors):
+            given[i] = tensor
+        flat = keras.tree.flatten(layer(*given, **kwargs))
+        scalar = sum(keras.ops.sum(keras.ops.cast(o, "float32") * c)
+                     for o, c in zip(flat, cotangents))
+        return flat, scalar
 
-    # (A fused embedding's sparse gradient is of its flattened table.)
-    grads = [np.asarray(sparse.dense(g, x.shape)) for g, x in zip(
-        grads, [*floating, *layer.trainable_weights])]
-    return ([np.asarray(o) for o in flat], grads[:len(floating)],
-            grads[len(floating):])
+    flat, dx, dw = value_and_gradients(
+        forward, [inputs[i] for i in floating], layer.trainable_weights,
+        state=layer.non_trainable_weights)
+    return [np.asarray(o) for o in flat], dx, dw
 
 
 def compare_layer_with_stock(stock_layers, fused, inputs, rng, training=None,
@@ -223,6 +270,8 @@ def compare_layer_with_stock(stock_layers, fused, inputs, rng, training=None,
 def optimized_ops(function, *args):
     """The op types TensorFlow's graph optimizer leaves in the graphs of
     `function` (a `tf.function`, first called here with `args`), counted."""
+    from tensorflow.python.eager import context
+
     context.export_run_metadata()  # Drops what earlier calls left.
     context.enable_graph_collection()
     try:
