@@ -30,6 +30,7 @@ from keras import ops
 from hftatf import passes
 from hftatf.core import compat
 from hftatf.core.axis import concat_models, take_models
+from hftatf.distribution import check_distribution
 
 
 def _current(scope, variables, values):
@@ -69,6 +70,7 @@ class JAXTrainer:
         return keras.distribution.distribution() is not None
 
     def make_train_function(self, force=False):
+        check_distribution(self.num_models)
         # The arrays of the passes are built before the step is traced:
         # building creates variables.
         per_pass = self._models_per_pass_for(None)
