@@ -174,10 +174,11 @@ class JAXTrainer:
         if not self.trainable_weights:
             warnings.warn("The array does not have any trainable weights.",
                           stacklevel=2)
-        grad_fn = jax.value_and_grad(self._stateless_losses, has_aux=True)
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates,
+                                     has_aux=True)
         (_, (losses, y_pred, updated, metrics_values)), gradients = grad_fn(
-            trainable, non_trainable, optimizer_values, metrics_values, x, y,
-            sample_weight)
+            trainable, non_trainable, metrics_values, x, y, sample_weight,
+            training=True, optimizer_variables=optimizer_values)
         state = (trainable, non_trainable, optimizer_values, metrics_values)
         with self.stateless_scope(state) as scope:
             # What the forward pass updated, given back to the models that
@@ -210,28 +211,40 @@ class JAXTrainer:
             _current(scope, self.non_trainable_variables, non_trainable),
             _current(scope, self.metrics_variables, metrics_values))
 
-    def _stateless_losses(self, trainable, non_trainable, optimizer_values,
-                          metrics_values, x, y, sample_weight):
-        """The (scaled) sum of the per-model losses, for `jax.grad` over
-        `trainable`; and `(losses, y_pred, non_trainable, metrics)`: the
-        `[B]` losses, the predictions and the state the forward pass and
-        the compiled losses' trackers updated."""
+    def compute_loss_and_updates(self, trainable_variables,
+                                 non_trainable_variables, metrics_variables,
+                                 x, y, sample_weight, training=False,
+                                 optimizer_variables=None):
+        """As Keras's (for `jax.grad` over `trainable_variables`), for an
+        array: returns the (scaled) sum of the per-model losses, and
+        `(losses, y_pred, non_trainable_variables, metrics_variables)`:
+        the `[B]` per-model losses, the predictions and the state the
+        forward pass and the compiled losses' trackers updated. A custom
+        JAX `train_step` then applies the gradients with
+        `apply_model_gradients` inside `stateless_scope(state)`."""
+        trainable, non_trainable = trainable_variables, non_trainable_variables
+        metrics_values = metrics_variables
         mapping = (list(zip(self.non_trainable_variables, non_trainable))
-                   + list(zip(self.optimizer.variables, optimizer_values))
                    + list(zip(self.metrics_variables, metrics_values)))
+        if optimizer_variables is not None:
+            # The loss scales of a loss-scaling optimizer.
+            mapping += list(zip(self.optimizer.variables,
+                                optimizer_variables))
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            per_pass = self._models_per_pass_for(x)
+            per_pass = (self._models_per_pass_for(x) if training
+                        else self.num_models)
             if per_pass < self.num_models:
                 y_pred, losses, non_trainable = self._losses_in_passes(
                     trainable, non_trainable, x, y, sample_weight, per_pass)
             else:
                 y_pred, non_trainable, added = self.stateless_call(
-                    trainable, non_trainable, x, training=True,
+                    trainable, non_trainable, x, training=training,
                     return_losses=True)
                 losses = self._losses_of_models(
                     range(self.num_models), y, y_pred, sample_weight, added,
-                    training=True)
-            loss = self.optimizer.scale_model_losses(losses)
+                    training=training)
+            loss = (self.optimizer.scale_model_losses(losses) if training
+                    else ops.sum(losses))
         metrics_values = _current(scope, self.metrics_variables,
                                   metrics_values)
         return loss, (losses, y_pred, non_trainable, metrics_values)
