@@ -140,22 +140,9 @@ class PerModelLosses:
         """The losses of the models `indices`, whose predictions `y_pred`
         holds (`[batch, len(indices), ...]`), plus their `added` losses (a
         vector of one entry per model, or a scalar split evenly)."""
-        losses = []
-        preds = self._model_predictions(y_pred)
-        for index, pred in zip(indices, preds):
-            labels, pred, weights = self._model_targets(
-                y, y_pred, sample_weight, index, pred, training=training)
-            loss = None
-            if self._model_losses is not None:
-                # Inside a loop over passes, `index` is a tensor: the
-                # models' compiled losses compute alike (they differ only
-                # in the per-output trackers that such loops avoid).
-                loss = self._model_losses[
-                    index if isinstance(index, int) else 0](
-                        labels, pred, weights)
-            losses.append(ops.zeros(()) if loss is None else loss)
-        losses = ops.stack(losses)
-        count = len(preds)
+        losses = self._compiled_losses(indices, y, y_pred, sample_weight,
+                                       training)
+        count = len(indices)
         for extra in added:
             if not keras.backend.is_float_dtype(extra.dtype):
                 extra = ops.cast(extra, keras.backend.floatx())
@@ -167,6 +154,34 @@ class PerModelLosses:
             else:
                 losses = losses + ops.sum(extra) / count
         return losses
+
+    def _compiled_losses(self, indices, y, y_pred, sample_weight, training):
+        """The `[len(indices)]` compiled losses of the models `indices`,
+        whose predictions `y_pred` holds (zeros without a compiled
+        loss)."""
+        losses = []
+        preds = self._model_predictions(y_pred)
+        for index, pred in zip(indices, preds):
+            target = self._model_targets(y, y_pred, sample_weight, index,
+                                         pred, training=training)
+            loss = None
+            if self._model_losses is not None:
+                # Inside a loop over passes, `index` is a tensor: the
+                # models' compiled losses compute alike (they differ only
+                # in the per-output trackers that such loops avoid).
+                loss = self._model_losses[
+                    index if isinstance(index, int) else 0](*target)
+            losses.append(ops.zeros(()) if loss is None else loss)
+        return ops.stack(losses)
+
+    def _update_model_metrics(self, y, y_pred, sample_weight, training):
+        """Updates each model's compiled metrics with its labels,
+        predictions and sample weights."""
+        preds = self._model_predictions(y_pred)
+        for index, (metrics, pred) in enumerate(zip(self._model_metrics,
+                                                    preds)):
+            metrics.update_state(*self._model_targets(
+                y, y_pred, sample_weight, index, pred, training=training))
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
                      training=True):
@@ -195,12 +210,7 @@ class PerModelLosses:
         self._model_loss_tracker.update_state(
             unscale_loss_for_distribution(losses), sample_weight=batch_size)
         if self._model_metrics is not None and y is not None:
-            preds = self._model_predictions(y_pred)
-            for index, metrics in enumerate(self._model_metrics):
-                labels, pred, weights = self._model_targets(
-                    y, y_pred, sample_weight, index, preds[index],
-                    training=training)
-                metrics.update_state(labels, pred, weights)
+            self._update_model_metrics(y, y_pred, sample_weight, training)
         return self.get_metrics_result()
 
     @property
@@ -222,8 +232,8 @@ class PerModelLosses:
         """Logs: each per-model value as `name_b`, and their mean as `name`."""
         if self._model_loss_tracker is None:
             return super().get_metrics_result()
-        per_model = {"loss": list(ops.unstack(
-            self._model_loss_tracker.result()))}
+        per_model = {"loss": self._model_values(
+            self._model_loss_tracker.result())}
         groups = [m for m in self._model_metrics or ()]
         groups += [m for m in self._model_losses or ()]
         for index, group in enumerate(groups):

@@ -138,6 +138,10 @@ class TensorFlowTrainer:
         hooks twice)."""
         return None
 
+    def _model_values(self, vector):
+        """The `B` entries of `vector`."""
+        return list(ops.unstack(vector))
+
     def _training_value(self, variable):
         """The value of the metric variable `variable` (the JAX trainer's
         may be in the step's state)."""
