@@ -8,9 +8,9 @@ import keras
 from keras import ops
 
 from hftatf.api import hftatf_export
-from hftatf.core.devices import compiling_with_xla
 from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
+from hftatf.layers.backends import compiling_with_xla
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.dense import (
     _models_first,
