@@ -172,7 +172,16 @@ def case_inputs(rng, num_models, names, shapes, attention_axes=1):
     return inputs
 
 
-@pytest.mark.parametrize("case", list(MHA_CASES))
+# Stock Keras on JAX refuses a `value_dim` other than `key_dim` where it
+# calls `dot_product_attention` ("cannot reshape"): no oracle there.
+VALUE_DIM_ON_TF = pytest.mark.backends(
+    "tensorflow", reason="stock `MultiHeadAttention` on JAX fails on a "
+    "`value_dim` other than `key_dim`")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=VALUE_DIM_ON_TF) if case == "options" else case
+    for case in MHA_CASES])
 def test_matches_stock_multi_head_attention(case, product_rule):
     names, shapes, kwargs, call_kwargs = MHA_CASES[case]
     rng = np.random.default_rng(0)

@@ -810,6 +810,9 @@ def test_conv_lstm_matches_stock(case):
     assert [o.shape[1:] for o in outputs] == [e[1:] for e in expected]
 
 
+@pytest.mark.backends("tensorflow", reason="stock `ConvLSTM2D` on JAX fails "
+                      "on a mask: its `[batch, 1]` step mask does not "
+                      "broadcast against `[batch, *spatial, filters]` states")
 def test_conv_lstm_mask_and_initial_state_match_stock():
     rng = np.random.default_rng(31)
     stock, fused, shape = conv_lstm_twins("2d_same_sequences", rng)

@@ -14,6 +14,11 @@ one of the backend Keras runs on (fixed when Keras is imported):
     run_with_xla         a function run compiled by XLA
     conv_transpose_grouped
                          a transposed convolution of `groups` groups
+    adds_vectors_as_biases
+                         whether `keras.ops.add` adds an operand that
+                         squeezes to a vector as a bias on axis 1 or -1
+                         where that axis has its length (TensorFlow's
+                         `bias_add`), rather than broadcasting it
     with_unknown_batch   a traced tensor whose batch size is left unknown
     dropout_models_first a stock `Dropout` on `[B, batch, ...]`, drawing
                          the masks it draws with the models second
@@ -45,6 +50,7 @@ gather_clamps_ids = _backend.gather_clamps_ids
 batch_matmul = _backend.batch_matmul
 run_with_xla = _backend.run_with_xla
 conv_transpose_grouped = _backend.conv_transpose_grouped
+adds_vectors_as_biases = _backend.adds_vectors_as_biases
 with_unknown_batch = _backend.with_unknown_batch
 dropout_models_first = _backend.dropout_models_first
 look_up = _backend.look_up

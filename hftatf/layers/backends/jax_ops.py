@@ -62,6 +62,11 @@ def conv_transpose_grouped(inputs, kernel, output_shape, strides, padding,
     return transpose(inputs)[0]
 
 
+def adds_vectors_as_biases():
+    """`keras.ops.add` on JAX broadcasts, as NumPy does."""
+    return False
+
+
 def with_unknown_batch(folded):
     """`folded`: no backend but TensorFlow adds a column as a bias."""
     return folded

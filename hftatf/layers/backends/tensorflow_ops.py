@@ -144,6 +144,13 @@ def conv_transpose_grouped(inputs, kernel, output_shape, strides, padding,
         padding=padding.upper(), dilations=dilation_rate)
 
 
+def adds_vectors_as_biases():
+    """Keras's TensorFlow `add` adds an operand that squeezes to a vector of
+    length `n` with `tf.nn.bias_add`: on the last axis of the other operand
+    if its size is `n`, else on axis 1 if that one's is."""
+    return True
+
+
 def with_unknown_batch(folded):
     """`folded`, in a traced step, with its batch size left unknown.
 
