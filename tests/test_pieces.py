@@ -5,14 +5,20 @@ copy (and its gradient) is never computed between two per-model layers."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from keras import ops
-from testing import assert_close, optimized_transposes
 
-import hftatf
-from hftatf.core import axis
-from hftatf.layers import SwapModelAxis, dense, fold, kernels
-from hftatf.layers.normalization import batch_normalization
+pytestmark = pytest.mark.backends(
+    "tensorflow", reason="a stacked tensor's pieces are TensorFlow's graph "
+    "records; JAX's tracers keep none")
+tf = pytest.importorskip("tensorflow")
+
+from keras import ops  # noqa: E402
+from testing import assert_close, optimized_transposes  # noqa: E402
+
+import hftatf  # noqa: E402
+from hftatf.core import axis  # noqa: E402
+from hftatf.layers import SwapModelAxis, dense, fold, kernels  # noqa: E402
+from hftatf.layers.backends import tensorflow_ops  # noqa: E402
+from hftatf.layers.normalization import batch_normalization  # noqa: E402
 
 B = 3
 BATCH = 6
@@ -75,7 +81,7 @@ def chain_model(rate=0.3):
 
 def _without_pieces(monkeypatch):
     """The array's layers as they compute without reading pieces."""
-    for module in (axis, dense, fold, batch_normalization):
+    for module in (axis, dense, fold, batch_normalization, tensorflow_ops):
         monkeypatch.setattr(module, "pieces_if_stacked",
                             lambda *args, **kwargs: None)
 

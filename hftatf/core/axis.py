@@ -23,7 +23,7 @@ crossentropy reads; masks where they say so), so that losses and metrics
 read each model's outputs as they read a stock model's.
 """
 
-import tensorflow as tf
+import keras
 from keras import ops
 
 from hftatf.core import compat
@@ -64,10 +64,9 @@ def pieces_if_stacked(tensor, num_models, axis):
     the backward pass needs no stacked gradient either. On a CPU each
     stack is a copy of the activations (and one of their gradients).
     """
-    if num_models in (None, 1) or not isinstance(tensor, tf.Tensor) or (
-            tf.executing_eagerly()):
+    if num_models in (None, 1):
         return None
-    op = getattr(tensor, "op", None)
+    op = _traced_op(tensor)
     if op is None or op.type != "Pack" or len(op.inputs) != num_models:
         return None
     stacked_axis = op.get_attr("axis")
@@ -115,6 +114,9 @@ def _split(tensor, num_models, axis):
     pieces = pieces_if_stacked(tensor, num_models, axis)
     if pieces is not None:
         return pieces
+    if isinstance(tensor, keras.Variable):
+        # JAX's ops take a variable's value, never the variable.
+        tensor = tensor.value
     if num_models == 1:
         return [ops.squeeze(tensor, axis)]
     swap = (1, 0, *range(2, len(tensor.shape)))
@@ -126,13 +128,26 @@ def _split(tensor, num_models, axis):
 def _transposed_by(tensor, order):
     """Whether `tensor` is, in a traced graph, the output of a transpose
     by `order`."""
-    if tf.executing_eagerly() or not isinstance(tensor, tf.Tensor):
-        return False
-    op = getattr(tensor, "op", None)
+    op = _traced_op(tensor)
     if op is None or op.type != "Transpose":
         return False
+    import tensorflow as tf
+
     perm = tf.get_static_value(op.inputs[1])
     return perm is not None and tuple(perm.tolist()) == order
+
+
+def _traced_op(tensor):
+    """The TensorFlow op that made `tensor` in a traced graph; None for an
+    eager tensor, and on other backends, whose tensors keep no record of
+    the op that made them."""
+    if keras.backend.backend() != "tensorflow":
+        return None
+    import tensorflow as tf
+
+    if tf.executing_eagerly() or not isinstance(tensor, tf.Tensor):
+        return None
+    return getattr(tensor, "op", None)
 
 
 def stack_models(pieces, axis=MODEL_AXIS):
@@ -169,18 +184,23 @@ def take_models(tensor, start, count, axis=0):
         index = (slice(None),) * axis + (slice(start, start + count),)
         return tensor[index]
     rank = len(tensor.shape)
-    begin = tf.stack([tf.cast(start, tf.int32) if d == axis else 0
-                      for d in range(rank)])
+    begin = [ops.cast(start, "int32") if d == axis else 0
+             for d in range(rank)]
     size = [count if d == axis else -1 for d in range(rank)]
-    return tf.slice(tensor, begin, size)
+    return ops.slice(tensor, begin, size)
 
 
 def take_model(stacked, index):
     """`stacked[index]`, model `index`'s slice of a `[B, ...]` tensor (a
-    weight's value), whose gradient stays sparse: a sparse gradient of the
-    slice (a stock `tf.gather`'s on it, e.g. an `Embedding` run per model)
-    becomes the same rows of the weight, `index * R` further (`R` rows per
-    model, see `hftatf.sparse`), where slicing would make it dense."""
+    weight's value). On TensorFlow its gradient stays sparse: a sparse
+    gradient of the slice (a stock `tf.gather`'s on it, e.g. an
+    `Embedding` run per model) becomes the same rows of the weight,
+    `index * R` further (`R` rows per model, see `hftatf.sparse`), where
+    slicing would make it dense. Other backends' gradients are dense."""
+    if keras.backend.backend() != "tensorflow":
+        return stacked[index]
+    import tensorflow as tf
+
     num_models = stacked.shape[0]
 
     @tf.custom_gradient

@@ -2,7 +2,9 @@
 
 Activations are `[batch, B, ...]`; weights are `[B, *stock weight shape]`.
 Importing a family module registers its fused forms (see `registry`);
-`resolve` decides which form a stock layer takes.
+`resolve` decides which form a stock layer takes. What differs per Keras
+backend (TensorFlow's kernel choices and sparse gradients) is in
+`backends`, one module per backend.
 """
 
 from hftatf.layers import registry, resolve

@@ -13,9 +13,9 @@ from hftatf.core.axis import (
     split_models,
     stack_models,
 )
-from hftatf.core.devices import compiling_with_xla
 from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
+from hftatf.layers.backends import compiling_with_xla
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.kernels import add_bias_by_rows, as_one_sample, batch_matmul
 

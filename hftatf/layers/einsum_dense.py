@@ -8,9 +8,9 @@ import keras
 from keras import ops
 
 from hftatf.api import hftatf_export
-from hftatf.core.devices import compiling_with_xla
 from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
+from hftatf.layers.backends import adds_vectors_as_biases, compiling_with_xla
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.dense import (
     _models_first,
@@ -174,9 +174,11 @@ def _stock_bias_layout(output_shape, bias_shape):
     another axis of the same size (`abc,cde->abde` with `bias_axes="d"`
     and `d == e`) is added on the last axis. An array must compute what
     the stock layer computes, and what each model computes after export.
+    Other backends broadcast (`adds_vectors_as_biases`).
     """
     squeezed = [size for size in bias_shape if size is None or size > 1]
-    if (len(squeezed) != 1 or squeezed[0] is None
+    if (not adds_vectors_as_biases() or len(squeezed) != 1
+            or squeezed[0] is None
             or squeezed[0] not in (output_shape[1], output_shape[-1])):
         return None
     inner = (1,) * (len(output_shape) - 2)

@@ -1,16 +1,14 @@
 """Fused embedding lookup: one table per model."""
 
-import math
 import warnings
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
-from hftatf.core.devices import compiling_with_xla
 from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
+from hftatf.layers.backends import gather_clamps_ids, look_up
 from hftatf.layers.base import FusedLayer
 
 __all__ = ["FusedEmbedding"]
@@ -50,8 +48,11 @@ class FusedEmbedding(FusedLayer):
     update out of range. Each
     table slice is initialised as a separate stock `Embedding` would be.
 
-    The gradient of `embeddings` is sparse, as the stock layer's is: a
-    `tf.IndexedSlices` of the table flattened to `[B * input_dim,
+    On JAX an out-of-range id reads NaNs and updates no row, as the stock
+    layer's `take` on JAX fills it.
+
+    On TensorFlow the gradient of `embeddings` is sparse, as the stock
+    layer's is: a `tf.IndexedSlices` of the table flattened to `[B * input_dim,
     output_dim]`, one row per id looked up (`hftatf.sparse`). Fused
     optimizers apply it as stock optimizers apply the stock layer's, each
     element-wise operation occurrence by occurrence (Adam's squares of the
@@ -61,7 +62,8 @@ class FusedEmbedding(FusedLayer):
     layer. So it is in a subclass that sets `sparse_gradient = False`, as
     one must that uses the table for more than the lookup (tied output
     embeddings): TensorFlow cannot add the sparse gradient of the
-    flattened table to a dense one of the table.
+    flattened table to a dense one of the table. On JAX the gradient is
+    dense, as stock Keras on JAX applies the stock layer's.
 
     Args:
         num_models: the number of models `B` in the array.
@@ -158,7 +160,7 @@ class FusedEmbedding(FusedLayer):
         offsets = ops.reshape(
             ops.arange(0, size, self.input_dim, dtype=ids.dtype),
             (1, self.num_models) + (1,) * (len(ids.shape) - 2))
-        xla = compiling_with_xla()
+        xla = gather_clamps_ids()
         if xla:
             # XLA's gather clamps an id out of range of the flattened table
             # to its last row, another model's: clamp it to the model's own
@@ -167,7 +169,7 @@ class FusedEmbedding(FusedLayer):
         else:
             ids = ops.where(in_range, ids + offsets, size)
         if self.sparse_gradient and self.embeddings_regularizer is None:
-            outputs = _look_up(tf.convert_to_tensor(self.embeddings), ids)
+            outputs = look_up(self.embeddings, ids)
         else:
             # The regularizer's gradient is dense, and so is the sum of
             # the two, as in the stock layer.
@@ -203,26 +205,3 @@ class FusedEmbedding(FusedLayer):
         })
         return config
 
-
-def _look_up(embeddings, ids):
-    """`embeddings` (`[B, input_dim, output_dim]`) flattened to
-    `[B * input_dim, output_dim]`, at the flat `ids`. Its gradient is the
-    stock gather's, an `IndexedSlices` of the flattened table (one row per
-    id), where a gather on a reshape would give a dense one."""
-
-    @tf.custom_gradient
-    def look_up(embeddings):
-        rows = math.prod(embeddings.shape[:2])
-        table = tf.reshape(embeddings, (rows, embeddings.shape[2]))
-        outputs = tf.gather(table, ids)
-
-        def gradient(upstream):
-            values = tf.reshape(upstream, (-1, embeddings.shape[2]))
-            return tf.IndexedSlices(
-                values, tf.reshape(ids, (-1,)),
-                dense_shape=tf.constant((rows, embeddings.shape[2]),
-                                        "int64"))
-
-        return outputs, gradient
-
-    return look_up(embeddings)

@@ -13,7 +13,6 @@ layouts. A weightless layer that treats a batch as a whole (`MixUp`,
 """
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
@@ -28,6 +27,7 @@ from hftatf.core.axis import (
 )
 from hftatf.core.validation import check_model_axis, check_num_models
 from hftatf.layers import registry
+from hftatf.layers.backends import dropout_models_first, with_unknown_batch
 from hftatf.layers.base import FusedForm, ModelActivityRegularization
 from hftatf.layers.sample_mixing import check_lambda_acts_per_sample
 
@@ -77,63 +77,11 @@ PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
 def fold_for_stock(x):
     """`fold_models` for a stock layer or a raw operation to compute
     on: in a traced step, with the folded batch's static size left
-    unknown.
-
-    Keras's TensorFlow `add` takes an operand that squeezes to a vector of
-    known length for a bias (`tf.nn.bias_add`) where that length equals
-    dimension 1 or the last of the other operand. A `[batch * B, 1]`
-    column of per-sample values (a `Dense(1)` output, a mean with
-    `keepdims`) would then be added along the wrong axis where
-    `batch * B` equals that dimension, though the stock model, at
-    `batch`, adds it right. An unknown batch never takes the shortcut.
-    (Run eagerly, every shape is known: the shortcut stays, as it does in
-    stock Keras where `batch` equals that dimension.)
-    """
-    folded = fold_models(x)
-    if (isinstance(folded, tf.Tensor) and not tf.executing_eagerly()
-            and folded.shape.rank and folded.shape[0] is not None):
-        return tf.compat.v1.placeholder_with_default(
-            folded, [None, *folded.shape[1:]])
-    return folded
+    unknown where the backend needs it (`with_unknown_batch`)."""
+    return with_unknown_batch(fold_models(x))
 
 
 UNSEEDED_RANDOM_LAYERS = (compat.StochasticDepth,)
-
-
-def _dropout_models_first(layer, inputs, num_models, training):
-    """The stock `Dropout` `layer` on `inputs` with the models first, `[B,
-    batch, ...]`, drawing exactly the masks it draws with the models second.
-
-    The stock layer on the folded batch `[batch * B, ...]` draws its
-    uniform noise in that order; here the same draw (same seed, shape and
-    algorithm) is compared with the rate, and only the boolean mask moves
-    the models first: one copy of a quarter of the activations' bytes, where
-    swapping the activations for the stock layer would move them twice
-    (and their gradients twice more). The output is TensorFlow's
-    `stateless_dropout`'s, `where(keep, x * (1 / (1 - rate)), 0)`.
-    """
-    if not training or layer.rate == 0:
-        return inputs
-    if layer.rate == 1.0:
-        return tf.zeros_like(inputs)
-    seed = compat.draw_tf_seed(layer.seed_generator)
-    shape = ops.shape(inputs)
-    # The noise shape of the folded batch with the models second.
-    folded = [shape[1] * num_models, *shape[2:]]
-    noise_shape = folded if layer.noise_shape is None else [
-        size if dim is None else dim
-        for size, dim in zip(folded, layer.noise_shape)]
-    keep = tf.random.stateless_uniform(
-        noise_shape, seed=seed, dtype=inputs.dtype, alg=None) >= layer.rate
-    keep = ops.reshape(keep, (shape[1], num_models, *noise_shape[1:]))
-    keep = ops.swapaxes(keep, 0, 1)
-    scale = tf.convert_to_tensor(1 / (1 - layer.rate), dtype=inputs.dtype)
-    zero = tf.zeros((), inputs.dtype)
-    pieces = pieces_if_stacked(inputs, num_models, 0)
-    if pieces is None:
-        return tf.where(keep, inputs * scale, zero)
-    return stack_models([tf.where(k, piece * scale, zero) for k, piece in
-                         zip(split_models(keep, num_models, 0), pieces)], 0)
 
 
 def _draws_models_first(layer):
@@ -332,8 +280,8 @@ class FusedFold(FusedForm, ModelActivityRegularization,
         if self.models_first and _draws_models_first(self.layer):
             check_model_axis(self.name, self.num_models, tuple(inputs.shape),
                              model_axis_of(True))
-            return _dropout_models_first(self.layer, inputs, self.num_models,
-                                         training)
+            return dropout_models_first(self.layer, inputs, self.num_models,
+                                        training)
         kwargs = _fold_tensors(arguments, self.name, self.num_models,
                                self.models_first)
         if compat.call_takes_training(self.layer) and training is not None:
@@ -452,7 +400,7 @@ class FusedRandomCrop(FusedFold):
         seed = compat.random_crop_seed_generator(layer)
         images = ops.cast(inputs, layer.compute_dtype)
         rank = len(shape)
-        leading = tf.shape(images)[:2]
+        leading = ops.shape(images)[:2]
         for axis, size, target in ((layer.height_axis, height, layer.height),
                                    (layer.width_axis, width, layer.width)):
             # As the stock draw, with one start per model.
@@ -462,8 +410,8 @@ class FusedRandomCrop(FusedFold):
             index = starts[:, None] + ops.arange(target, dtype="int32")
             index = index[:, None] if self.models_first else index[None]
             # Model b's window along `axis`, for every sample of model b.
-            images = tf.gather(
-                images, tf.broadcast_to(index, tf.concat(
-                    [leading, [target]], 0)),
-                axis=rank + axis, batch_dims=2)
+            index = ops.broadcast_to(index, (*leading, target))
+            index = ops.reshape(index, (*leading, *(1,) * (
+                rank + axis - 2), target, *(1,) * (-axis - 1)))
+            images = ops.take_along_axis(images, index, axis=rank + axis)
         return images

@@ -5,9 +5,9 @@ inside it (which its config does not carry)."""
 import contextlib
 
 import keras
-import tensorflow as tf
 
 from hftatf.core import compat
+from hftatf.layers.backends import holds_outside_state
 
 
 def derives_state(layer):
@@ -49,7 +49,7 @@ def outside_state(layer):
     it) holds outside Keras variables, or None."""
     for inner in compat.inner_layers(layer, include_self=True):
         for name, value in vars(inner).items():
-            if isinstance(value, (tf.Variable, compat.CapturableResource)):
+            if holds_outside_state(value):
                 return f"'{inner.name}.{name}' ({type(value).__name__})"
     return None
 

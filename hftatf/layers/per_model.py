@@ -16,14 +16,13 @@ import warnings
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.core.axis import split_models, stack_models, take_model
 from hftatf.core.validation import check_model_axis
-from hftatf.layers import objects, registry
+from hftatf.layers import backends, objects, registry
 from hftatf.layers.base import FusedLayer, Modelwise
 from hftatf.layers.call_arguments import filled_arguments, split_arguments
 from hftatf.layers.layer_state import (
@@ -208,8 +207,7 @@ class FusedPerModel(FusedLayer):
             found.extend(i for i, w in enumerate(layer.weights)
                          if scope.get_current_value(w) is not None)
 
-        tf.function(trace, autograph=False).get_concrete_function(
-            *[tf.TensorSpec(spec.shape, spec.dtype) for spec in specs])
+        backends.trace(trace, specs)
         return found
 
     @property
@@ -308,7 +306,7 @@ class FusedPerModel(FusedLayer):
         args, kwargs = filled_arguments(arguments, specs)
         copies = [self.layer] + [copy_layer(self.layer)
                                  for _ in range(self.num_models - 1)]
-        with tf.init_scope():
+        with backends.init_scope():
             for copy in copies:
                 if not copy.built or copy is not self.layer:
                     copy(*args, **kwargs)

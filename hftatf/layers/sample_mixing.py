@@ -6,10 +6,10 @@ import random
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
 from hftatf.core import compat
+from hftatf.layers.backends import executing_eagerly
 
 # Stock layers without weights that treat every sample on its own.
 
@@ -104,7 +104,7 @@ def _value_mixing(call, arguments):
     of size one does what it does in the stock model)."""
     tensors = [x for x in keras.tree.flatten(arguments)
                if isinstance(x, keras.KerasTensor)]
-    if not tensors or not tf.executing_eagerly() or any(
+    if not tensors or not executing_eagerly() or any(
             not x.shape or x.sparse or not keras.backend.is_float_dtype(
                 x.dtype) for x in tensors):
         return None

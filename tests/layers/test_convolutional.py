@@ -11,18 +11,18 @@ import inspect
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from testing import (
+    BACKEND,
     assert_close,
     compare_layer_with_stock,
     layer_outputs_and_gradients,
     moment_tolerance,
     randomize_weights,
     stacked_weights,
+    value_and_gradients,
 )
 
 import hftatf
-from hftatf.core.devices import runs_on_accelerator
 from hftatf.layers import (
     FusedConv1D,
     FusedConv1DTranspose,
@@ -36,6 +36,7 @@ from hftatf.layers import (
     FusedSeparableConv2D,
     resolve,
 )
+from hftatf.layers.backends import runs_on_accelerator
 from hftatf.layers.convolutional import base_conv
 
 BATCH = 2
@@ -260,6 +261,7 @@ def test_folded_accelerator_kernels_match_stock(
     check_against_stock(fused_class, input_shape, num_models, **kwargs)
 
 
+@pytest.mark.backends("tensorflow", reason="counts TensorFlow's ops")
 @pytest.mark.parametrize("fused_class,kwargs,op_type", [
     (FusedDepthwiseConv2D, {"kernel_size": 3}, "DepthwiseConv2dNative"),
     (FusedSeparableConv2D, {"filters": 2, "kernel_size": 3},
@@ -278,7 +280,14 @@ def test_depthwise_kernels_fold_only_on_accelerators(
 
 def jit_outputs_and_gradients(layer, x, cotangent):
     """Output and gradients (input, then trainable weights) of
-    `sum(layer(x) * cotangent)`, computed inside one XLA-compiled step."""
+    `sum(layer(x) * cotangent)`, computed inside one XLA-compiled step
+    (on JAX, where XLA compiles every op, op by op; a whole step under
+    `jax.jit`: test_stateless_jit.py)."""
+    if BACKEND != "tensorflow":
+        (y,), (dx,), dw = layer_outputs_and_gradients(layer, [x], [cotangent])
+        return y, [dx, *dw]
+    import tensorflow as tf
+
     @tf.function(jit_compile=True)
     def step(x):
         with tf.GradientTape() as tape:
@@ -363,6 +372,8 @@ def test_default_kernel_under_xla_matches_stock(
 def convolution_ops(layer, x, op_type):
     """The number of `op_type` ops in the graph of `layer(x)` traced by a
     plain (non-XLA) `tf.function`, outside nested functions."""
+    import tensorflow as tf
+
     graph = tf.function(layer).get_concrete_function(
         tf.TensorSpec(x.shape)).graph
     return sum(op.type == op_type for op in graph.get_operations())
@@ -376,8 +387,11 @@ AUTO_RULE_CASES = [
 ]
 
 
+@pytest.mark.backends("tensorflow", reason="counts TensorFlow's ops")
 @pytest.mark.parametrize("fused_class,kwargs,op_type", AUTO_RULE_CASES)
 def test_auto_uses_per_model_kernels_on_cpu(fused_class, kwargs, op_type):
+    import tensorflow as tf
+
     x = np.ones((BATCH, 3, 5, 5, 2), "float32")
     assert not runs_on_accelerator()
     auto = fused_class(3, **kwargs)
@@ -399,12 +413,12 @@ def test_auto_uses_per_model_kernels_on_cpu(fused_class, kwargs, op_type):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
-                    reason="needs a GPU (HFTATF_TEST_GPU=1)")
+@pytest.mark.backends("tensorflow", reason="counts TensorFlow's ops")
 @pytest.mark.parametrize("fused_class,kwargs,op_type", AUTO_RULE_CASES)
 def test_auto_uses_grouped_kernels_on_gpu(fused_class, kwargs, op_type):
+    if not runs_on_accelerator():
+        pytest.skip("needs a GPU (HFTATF_TEST_GPU=1)")
     x = np.ones((BATCH, 3, 5, 5, 2), "float32")
-    assert runs_on_accelerator()
     auto = fused_class(3, **kwargs)
     per_model = fused_class(3, implementation="per_model", **kwargs)
     # Grouped: one convolution, inside the nested XLA function; per model:
@@ -415,7 +429,11 @@ def test_auto_uses_grouped_kernels_on_gpu(fused_class, kwargs, op_type):
     assert_close(auto(x), per_model(x))
 
 
+@pytest.mark.backends("tensorflow",
+                      reason="TensorFlow's placement: scopes, strategies")
 def test_auto_rule_reads_the_placement(monkeypatch):
+    import tensorflow as tf
+
     traced = {}
 
     def trace(name):
@@ -450,7 +468,10 @@ def test_auto_rule_reads_the_placement(monkeypatch):
     assert not traced["/CPU:0"] and not traced["eager"]
 
 
+@pytest.mark.backends("tensorflow", reason="ops added to TensorFlow's graphs")
 def test_auto_rule_places_nothing_on_a_machine_without_accelerators():
+    import tensorflow as tf
+
     # Eager layer calls ask on every call: without a GPU or TPU to tell
     # apart, the rule adds no op to find out.
     def trace():
@@ -498,8 +519,8 @@ def test_kernel_slices_are_independent_stock_draws(
         layer.build((None, *input_shape))
         stock.append(layer)
     for name in initializer_args:
-        kernel = getattr(fused, name).numpy()
-        stock_kernel = np.stack([getattr(layer, name).numpy()
+        kernel = np.asarray(getattr(fused, name))
+        stock_kernel = np.stack([np.asarray(getattr(layer, name))
                                  for layer in stock])
         for b in range(num_models):
             for c in range(b):
@@ -518,7 +539,7 @@ def test_glorot_slices_use_the_stock_fans():
     num_models, kernel_size, channels, filters = 8, 3, 4, 6
     fused = FusedConv2D(num_models, filters, kernel_size)
     fused.build((None, num_models, 5, 5, channels))
-    kernel = fused.kernel.numpy()
+    kernel = np.asarray(fused.kernel)
     # Glorot: U(-limit, limit) with the fans of the stock [3, 3, 4, 6]
     # kernel, receptive field included.
     area = kernel_size * kernel_size
@@ -671,15 +692,18 @@ def test_fuse_models_of_a_small_cnn_matches_each_model():
         assert_close(y[:, b], model(x), err_msg=f"model {b}")
     # The gradient of the models' summed losses: slice b of every weight's
     # gradient must be model b's own (no model reaches another's loss).
-    with tf.GradientTape() as tape:
-        loss = tf.reduce_sum(tf.square(array(x)))
-    fused_grads = tape.gradient(loss, array.trainable_weights)
+    def squares(model):
+        def loss(x):
+            outputs = model(x)
+            return outputs, keras.ops.sum(keras.ops.square(outputs))
+        return loss
+
+    _, _, fused_grads = value_and_gradients(
+        squares(array), [x], array.trainable_weights)
     for b, model in enumerate(models):
-        with tf.GradientTape() as tape:
-            model_loss = tf.reduce_sum(tf.square(model(x)))
-        for got, expected in zip(
-                fused_grads,
-                tape.gradient(model_loss, model.trainable_weights)):
+        _, _, model_grads = value_and_gradients(
+            squares(model), [x], model.trainable_weights)
+        for got, expected in zip(fused_grads, model_grads):
             assert_close(np.asarray(got)[b], expected,
                          err_msg=f"model {b}")
 
@@ -928,8 +952,11 @@ def _biased_convolutions():
     return keras.Model(inputs, keras.layers.Dense(3)(x))
 
 
+@pytest.mark.backends("tensorflow", reason="TensorFlow's CPU graph optimizer")
 @pytest.mark.parametrize("layout", ["models_first", "batch_first"])
 def test_each_model_bias_gets_its_own_gradient_in_graphs(layout):
+    import tensorflow as tf
+
     # TensorFlow's CPU graph optimizer fused a BiasAdd's gradient into a
     # filter gradient reading the same unstack, sometimes another model's:
     # in about one graph in six. Forty graphs, each optimized on its own.

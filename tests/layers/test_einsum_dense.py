@@ -8,7 +8,6 @@ computes on `x[:, b]` with what stock layer `b` computes on `x[:, b]`.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from testing import (
     assert_close,
     compare_layer_with_stock,
@@ -81,15 +80,22 @@ def test_matches_stock_with_activation_and_three_models(activation):
     compare_layer_with_stock(stock, fused, [x], rng)
 
 
+@pytest.mark.backends("tensorflow", reason="XLA by `tf.function`; JAX "
+                      "compiles every op (test_stateless_jit.py: `jax.jit`)")
 def test_matches_stock_under_xla():
+    import tensorflow as tf
+
     rng = np.random.default_rng(2)
     stock, fused = stock_and_fused(3, "...b,bc->...c", 4, (3, 5), rng,
                                    bias_axes="c")
     x = rng.standard_normal((BATCH, 3, 3, 5)).astype("float32")
-    y = tf.function(fused, jit_compile=True)(x).numpy()
+    y = np.asarray(tf.function(fused, jit_compile=True)(x))
     for b in range(3):
         assert_close(y[:, b], stock[b](x[:, b]))
 
+
+XLA_ON_TF = pytest.mark.backends(
+    "tensorflow", reason="XLA by `tf.function`; JAX compiles every op")
 
 # A bias on one axis whose size is also the last (or first) output axis's:
 # the stock layer's `ops.add` adds it there, with TensorFlow's bias_add.
@@ -105,7 +111,8 @@ BIAS_ADD_CASES = [
                          BIAS_ADD_CASES, ids=[str(c[1]) for c in
                                               BIAS_ADD_CASES])
 @pytest.mark.parametrize("num_models", [1, 3])
-@pytest.mark.parametrize("xla", [False, True], ids=["eager", "xla"])
+@pytest.mark.parametrize("xla", [False, pytest.param(True, marks=XLA_ON_TF)],
+                         ids=["eager", "xla"])
 def test_bias_goes_where_the_stock_layer_adds_it(
         equation, output_shape, bias_axes, inner_shape, num_models, xla):
     rng = np.random.default_rng(4)
@@ -113,8 +120,12 @@ def test_bias_goes_where_the_stock_layer_adds_it(
                                    inner_shape, rng, bias_axes=bias_axes)
     x = rng.standard_normal(
         (BATCH, num_models, *inner_shape)).astype("float32")
-    call = tf.function(fused, jit_compile=True) if xla else fused
-    y = call(x).numpy()
+    call = fused
+    if xla:
+        import tensorflow as tf
+
+        call = tf.function(fused, jit_compile=True)
+    y = np.asarray(call(x))
     for b in range(num_models):
         assert_close(y[:, b], stock[b](x[:, b]))
 
@@ -152,7 +163,7 @@ def test_seeded_slices_equal_stock_layers_seeded_per_model(initializer):
 def test_unseeded_slices_differ():
     fused = FusedEinsumDense(3, "ab,bc->ac", 4)
     fused.build((None, 3, 5))
-    kernel = fused.kernel.numpy()
+    kernel = np.asarray(fused.kernel)
     assert not np.allclose(kernel[0], kernel[1])
     assert not np.allclose(kernel[1], kernel[2])
 
@@ -170,12 +181,12 @@ def test_regularizers_give_per_model_losses():
                                    **kwargs)
     x = rng.standard_normal((BATCH, 3, 3, 5)).astype("float32")
     fused(x)
-    losses = [loss.numpy() for loss in fused.losses]
+    losses = [np.asarray(loss) for loss in fused.losses]
     assert [loss.shape for loss in losses] == [(3,)] * 3
     for b, layer in enumerate(stock):
         layer(x[:, b])
         assert_close([loss[b] for loss in losses],
-                     [loss.numpy() for loss in layer.losses],
+                     [np.asarray(loss) for loss in layer.losses],
                      err_msg=f"model {b}")
 
 

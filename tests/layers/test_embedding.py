@@ -8,7 +8,6 @@ into one `FusedEmbedding`, and compares what model `b` computes on the ids
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from testing import (
     assert_close,
     compare_layer_with_stock,
@@ -16,6 +15,7 @@ from testing import (
 )
 
 from hftatf import optimizers
+from hftatf.core import compat
 from hftatf.layers import FusedEmbedding, resolve
 
 BATCH = 4
@@ -49,10 +49,14 @@ def test_negative_ids_count_from_the_end_of_each_table():
     compare_layer_with_stock(stock, fused, [ids], rng)
 
 
+@pytest.mark.backends("tensorflow",
+                      reason="TensorFlow's CPU gather raises on it")
 @pytest.mark.parametrize("bad_id", [VOCAB, -VOCAB - 1])
 def test_out_of_range_id_fails_like_stock_on_cpu(bad_id):
     # Model 0's out-of-range id must not read model 1's table: on CPU the
     # lookup fails, as the stock lookup does.
+    import tensorflow as tf
+
     rng = np.random.default_rng(2)
     stock, fused = stock_and_fused(2, rng)
     with pytest.raises(tf.errors.InvalidArgumentError):
@@ -63,20 +67,42 @@ def test_out_of_range_id_fails_like_stock_on_cpu(bad_id):
         fused(ids)
 
 
+@pytest.mark.backends("jax", reason="`jnp.take` fills; TensorFlow raises")
+@pytest.mark.parametrize("bad_id", [VOCAB, -VOCAB - 1])
+def test_out_of_range_id_reads_what_stock_reads_on_jax(bad_id):
+    # Model 0's out-of-range id must not read model 1's table: it reads
+    # what the stock `take` on JAX reads (NaNs), and updates no row.
+    rng = np.random.default_rng(2)
+    stock, fused = stock_and_fused(2, rng)
+    ids = rng.integers(0, VOCAB, (BATCH, 2, 3)).astype("int32")
+    ids[0, 0, 0] = bad_id
+    ids[1, 1, 2] = bad_id
+    compare_layer_with_stock(stock, fused, [ids], rng)
+    assert np.isnan(np.asarray(fused(ids))[0, 0, 0]).all()
+
+
+@pytest.mark.backends("tensorflow", reason="XLA by `tf.function`; on JAX "
+                      "every call is compiled (test_stateless_jit.py)")
 def test_matches_stock_under_xla():
+    import tensorflow as tf
+
     rng = np.random.default_rng(3)
     stock, fused = stock_and_fused(3, rng)
     ids = rng.integers(0, VOCAB, (BATCH, 3, 5)).astype("int32")
-    y = tf.function(fused, jit_compile=True)(ids).numpy()
+    y = np.asarray(tf.function(fused, jit_compile=True)(ids))
     for b in range(3):
         assert_close(y[:, b], stock[b](ids[:, b]))
 
 
+@pytest.mark.backends("tensorflow", reason="TensorFlow's XLA gather "
+                      "clamps ids; JAX's `take` fills them")
 def test_out_of_range_ids_under_xla_stay_in_their_models_table():
     """Under XLA (the array's default on a CPU) no step can raise: as the
     stock layer under XLA, an id out of range reads the first or last row
     of its model's own table and its occurrence updates no row, and a
     model of the array trains as the stock model compiled with XLA."""
+    import tensorflow as tf
+
     rng = np.random.default_rng(4)
     num_models = 3
     stock, fused = stock_and_fused(num_models, rng)
@@ -99,7 +125,7 @@ def test_out_of_range_ids_under_xla_stay_in_their_models_table():
             optimizer.apply(grads, layer.trainable_weights)
             return outputs
 
-        return step(ids, targets).numpy()
+        return np.asarray(step(ids, targets))
 
     tables = [layer.get_weights()[0] for layer in stock]
     outputs = train(fused, ids, targets)
@@ -122,12 +148,13 @@ def test_mask_zero_masks_equal_stock_masks(inner_shape):
     y = fused(ids)
     mask = fused.compute_mask(ids)
     assert mask.shape == ids.shape
-    np.testing.assert_array_equal(y._keras_mask, mask)
+    np.testing.assert_array_equal(compat.get_keras_mask(y), mask)
     for b, layer in enumerate(stock):
         np.testing.assert_array_equal(
             mask[:, b], layer.compute_mask(ids[:, b]), err_msg=f"model {b}")
         np.testing.assert_array_equal(
-            y._keras_mask[:, b], layer(ids[:, b])._keras_mask)
+            compat.get_keras_mask(y)[:, b],
+            compat.get_keras_mask(layer(ids[:, b])))
     assert fused.compute_mask(ids) is not None
     compare_layer_with_stock(stock, fused, [ids], rng)
 
@@ -142,13 +169,17 @@ def test_symbolic_output_shape_and_mask():
     fused = FusedEmbedding(2, VOCAB, DIM, mask_zero=True)
     y = fused(keras.Input((2, 5), dtype="int32"))
     assert tuple(y.shape) == (None, 2, 5, DIM)
-    assert tuple(y._keras_mask.shape) == (None, 2, 5)
+    assert tuple(compat.get_keras_mask(y).shape) == (None, 2, 5)
 
 
+@pytest.mark.backends("tensorflow", reason="stock Keras on JAX takes dense "
+                      "embedding gradients (`tf.IndexedSlices` on TF)")
 def test_gradient_is_the_stock_sparse_one_per_model():
     # One row per id looked up, of the table flattened to
     # [B * VOCAB, DIM]; model b's rows are b * VOCAB + id. Optimizers
     # against stock: tests/optimizers/test_sparse_gradients.py.
+    import tensorflow as tf
+
     rng = np.random.default_rng(6)
     stock, fused = stock_and_fused(3, rng)
     ids = rng.integers(0, VOCAB, (BATCH, 3, 5)).astype("int32")
@@ -158,7 +189,7 @@ def test_gradient_is_the_stock_sparse_one_per_model():
         loss = tf.reduce_sum((fused(ids) - target) ** 2)
     (gradient,) = tape.gradient(loss, fused.trainable_weights)
     assert isinstance(gradient, tf.IndexedSlices)
-    assert tuple(gradient.dense_shape.numpy()) == (3 * VOCAB, DIM)
+    assert tuple(np.asarray(gradient.dense_shape)) == (3 * VOCAB, DIM)
     dense = tf.reshape(tf.convert_to_tensor(gradient), (3, VOCAB, DIM))
     for b, layer in enumerate(stock):
         with tf.GradientTape() as tape:
@@ -220,12 +251,12 @@ def test_regularizers_give_per_model_losses():
     stock, fused = stock_and_fused(3, rng, **kwargs)
     ids = rng.integers(0, VOCAB, (BATCH, 3, 5)).astype("int32")
     fused(ids)
-    losses = [loss.numpy() for loss in fused.losses]
+    losses = [np.asarray(loss) for loss in fused.losses]
     assert [loss.shape for loss in losses] == [(3,), (3,)]
     for b, layer in enumerate(stock):
         layer(ids[:, b])
         assert_close(sorted(loss[b] for loss in losses),
-                     sorted(loss.numpy() for loss in layer.losses),
+                     sorted(np.asarray(loss) for loss in layer.losses),
                      err_msg=f"model {b}")
 
 
@@ -233,7 +264,7 @@ def test_constraint_applies_per_table():
     rng = np.random.default_rng(9)
     kwargs = {"embeddings_constraint": keras.constraints.MaxNorm(1.0)}
     stock, fused = stock_and_fused(3, rng, **kwargs)
-    constrained = fused.embeddings.constraint(fused.embeddings).numpy()
+    constrained = np.asarray(fused.embeddings.constraint(fused.embeddings))
     for b, layer in enumerate(stock):
         assert_close(constrained[b],
                      layer.embeddings.constraint(layer.embeddings))

@@ -10,10 +10,9 @@ import random
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from keras.src.applications.convnext import StochasticDepth
 from keras.src.applications.inception_resnet_v2 import CustomScaleLayer
-from testing import assert_close, trains_like_stock
+from testing import assert_close, trains_like_stock, value_and_gradients
 
 import hftatf
 from hftatf.layers import (
@@ -280,12 +279,10 @@ def test_input_gradients_match_stock(case_id):
     cotangent = rng.standard_normal(y.shape).astype("float32")
 
     def gradients(layer, xs, cot):
-        xs = [tf.constant(x) for x in xs]
-        with tf.GradientTape() as tape:
-            for x in xs:
-                tape.watch(x)
-            scalar = tf.reduce_sum(call(layer, xs) * cot)
-        return [g.numpy() for g in tape.gradient(scalar, xs)]
+        def scalar(*xs):
+            outputs = call(layer, list(xs))
+            return outputs, keras.ops.sum(outputs * cot)
+        return value_and_gradients(scalar, xs)[1]
 
     fused_grads = gradients(fused, inputs, cotangent)
     for b in range(NUM_MODELS):
@@ -617,13 +614,15 @@ def test_broadcast_copies_the_input_to_every_model(shape):
 
 def test_broadcast_gradient_is_the_sum_over_models():
     rng = np.random.default_rng(11)
-    x = tf.constant(rng.standard_normal((BATCH, 4, 3)).astype("float32"))
+    x = rng.standard_normal((BATCH, 4, 3)).astype("float32")
     cotangent = rng.standard_normal(
         (BATCH, NUM_MODELS, 4, 3)).astype("float32")
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        scalar = tf.reduce_sum(BroadcastToModels(NUM_MODELS)(x) * cotangent)
-    assert_close(tape.gradient(scalar, x), cotangent.sum(axis=1))
+
+    def scalar(x):
+        outputs = BroadcastToModels(NUM_MODELS)(x)
+        return outputs, keras.ops.sum(outputs * cotangent)
+    _, (gradient,), _ = value_and_gradients(scalar, [x])
+    assert_close(gradient, cotangent.sum(axis=1))
 
 
 def test_broadcast_repeats_the_mask():
@@ -650,11 +649,13 @@ def test_shared_input_through_the_array_matches_stock_models():
     fused_dense.set_weights([rng.standard_normal(w.shape).astype("float32")
                              for w in fused_dense.get_weights()])
     y = keras.ops.convert_to_numpy(array(x))
-    x_t = tf.constant(x)
-    with tf.GradientTape() as tape:
-        tape.watch(x_t)
-        fused_scalar = tf.reduce_sum(array(x_t)[..., 0])
-    fused_grad = tape.gradient(fused_scalar, x_t).numpy()
+
+    def first_output(model):
+        def scalar(x):
+            outputs = model(x)
+            return outputs, keras.ops.sum(outputs[..., 0])
+        return scalar
+    fused_grad = value_and_gradients(first_output(array), [x])[1][0]
     stock_grad = np.zeros_like(x)
     for b in range(NUM_MODELS):
         dense = keras.layers.Dense(4)
@@ -663,10 +664,7 @@ def test_shared_input_through_the_array_matches_stock_models():
             keras.layers.Dropout(0.5), keras.layers.Softmax()])
         dense.set_weights(fused_dense.get_model_weights(b))
         assert_close(y[:, b], stock(x), err_msg=f"model {b}")
-        with tf.GradientTape() as tape:
-            tape.watch(x_t)
-            scalar = tf.reduce_sum(stock(x_t)[..., 0])
-        stock_grad += tape.gradient(scalar, x_t).numpy()
+        stock_grad += value_and_gradients(first_output(stock), [x])[1][0]
     assert_close(fused_grad, stock_grad)
 
 

@@ -16,8 +16,12 @@ rule forced on a CPU.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from testing import (
+
+pytestmark = pytest.mark.backends(
+    "tensorflow", reason="TensorFlow's kernel choices, graphs and XLA")
+tf = pytest.importorskip("tensorflow")
+
+from testing import (  # noqa: E402
     BATCHED_MATMULS,
     compare_layer_with_stock,
     optimized_transposes,
@@ -25,8 +29,8 @@ from testing import (
     stacked_weights,
 )
 
-from hftatf.core import devices
-from hftatf.layers import (
+from hftatf.core import devices  # noqa: E402
+from hftatf.layers import (  # noqa: E402
     FusedBatchNormalization,
     FusedConv2D,
     FusedDense,
@@ -38,8 +42,9 @@ from hftatf.layers import (
     FusedSeparableConv2D,
     dense,
 )
-from hftatf.layers import kernels as layer_kernels
-from hftatf.layers.convolutional import base_conv
+from hftatf.layers import kernels as layer_kernels  # noqa: E402
+from hftatf.layers.backends import tensorflow_ops  # noqa: E402
+from hftatf.layers.convolutional import base_conv  # noqa: E402
 
 BATCH = 4
 
@@ -286,11 +291,11 @@ def test_batch_matmul_sizes_a_broadcast_product_by_its_output():
 def test_batch_matmul_takes_the_oneDNN_kernel_for_large_products():
     # 2 x 128 x 64 x 64 = 2**20 multiply-adds, above SMALL_PRODUCT; so are
     # both gradients.
-    assert 2 * 128 * 64 * 64 > layer_kernels.SMALL_PRODUCT
+    assert 2 * 128 * 64 * 64 > tensorflow_ops.SMALL_PRODUCT
     _, op_types = batched_products((2, 128, 64), (2, 64, 64), False, False)
     assert "BatchMatMulV2" in op_types and "BatchMatMulV3" not in op_types
     # At the limit, every product is small.
-    assert 2 * 64 * 64 * 64 == layer_kernels.SMALL_PRODUCT
+    assert 2 * 64 * 64 * 64 == tensorflow_ops.SMALL_PRODUCT
     _, op_types = batched_products((2, 64, 64), (2, 64, 64), False, False)
     assert "BatchMatMulV3" in op_types and "BatchMatMulV2" not in op_types
 
@@ -338,7 +343,8 @@ def test_batch_matmul_of_unknown_rows_with_one_column_runs_on_eigen():
 
 
 def test_batch_matmul_leaves_accelerators_to_tensorflow(monkeypatch):
-    monkeypatch.setattr(layer_kernels, "runs_on_accelerator", lambda: True)
+    monkeypatch.setattr(tensorflow_ops, "runs_on_accelerator",
+                        lambda: True)
     _, op_types = batched_products((2, 4, 3), (2, 3, 1), False, False)
     assert "BatchMatMulV3" not in op_types
 
@@ -494,7 +500,7 @@ def test_consecutive_products_keep_the_models_first_layout():
     x = rng.standard_normal(shape).astype("float32")
     assert dense.products_models_first(shape, 3, 8, 16)
     one = optimized_transposes(forward_and_backward(first), x,
-                               first(x).numpy())
+                               np.asarray(first(x)))
     two = optimized_transposes(
         forward_and_backward(lambda x: second(first(x))), x, x)
     assert one > 0 and two == one

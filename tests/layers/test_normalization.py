@@ -14,9 +14,9 @@ import textwrap
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from testing import (
     ATOL,
+    BACKEND,
     RTOL,
     assert_close,
     compare_layer_with_stock,
@@ -237,6 +237,8 @@ def test_batch_normalization_rejects_mask_of_wrong_rank():
         fused(x, mask=np.ones((BATCH, 2), bool), training=True)
 
 
+@pytest.mark.backends("tensorflow", reason="stock Keras refuses "
+                      "`synchronized=True` off TensorFlow")
 @pytest.mark.parametrize("training", [True, False])
 def test_batch_normalization_synchronized_without_strategy(training):
     # Outside a strategy the stock layer takes its synchronized moments as
@@ -270,22 +272,24 @@ SYNCHRONIZED_SCRIPT = textwrap.dedent("""
     data = tf.data.Dataset.from_tensor_slices(x).batch(8)
     for batch in strategy.experimental_distribute_dataset(data):
         replicas = strategy.experimental_local_results(step(batch))
-    y = np.concatenate([r.numpy() for r in replicas])
+    y = np.concatenate([np.asarray(r) for r in replicas])
     assert len(replicas) == 2
     for b in range(num_models):
         # The oracle sees the whole global batch on one device.
         stock = keras.layers.BatchNormalization(momentum=0.5)
-        expected = stock(x[:, b], training=True).numpy()
+        expected = np.asarray(stock(x[:, b], training=True))
         np.testing.assert_allclose(y[:, b], expected, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(fused.moving_mean.numpy()[b],
-                                   stock.moving_mean.numpy(), atol=1e-6)
-        np.testing.assert_allclose(fused.moving_variance.numpy()[b],
-                                   stock.moving_variance.numpy(), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(fused.moving_mean)[b],
+                                   np.asarray(stock.moving_mean), atol=1e-6)
+        np.testing.assert_allclose(np.asarray(fused.moving_variance)[b],
+                                   np.asarray(stock.moving_variance), atol=1e-6)
     print("synchronized moments match")
 """)
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow", reason="stock Keras refuses "
+                      "`synchronized=True` off TensorFlow")
 def test_batch_normalization_synchronized_across_replicas(tmp_path):
     # Two logical CPUs must be configured before TensorFlow starts, so the
     # MirroredStrategy run lives in its own process.
@@ -297,7 +301,11 @@ def test_batch_normalization_synchronized_across_replicas(tmp_path):
     assert "synchronized moments match" in result.stdout
 
 
+@pytest.mark.backends("tensorflow", reason="XLA by `tf.function`; JAX "
+                      "compiles every op (test_stateless_jit.py: `jax.jit`)")
 def test_batch_normalization_under_xla():
+    import tensorflow as tf
+
     rng = np.random.default_rng(7)
     stock = stock_layers(keras.layers.BatchNormalization, (3, 4), rng,
                          momentum=0.6)
@@ -346,9 +354,9 @@ def test_batch_normalization_seeded_initializers_differ_per_model():
     stock = keras.layers.BatchNormalization(
         gamma_initializer=keras.initializers.RandomNormal(seed=5))
     stock.build((None, 4))
-    gamma = fused.gamma.numpy()
+    gamma = np.asarray(fused.gamma)
     # Model 0 starts as the stock layer with the same seed; the others not.
-    np.testing.assert_array_equal(gamma[0], stock.gamma.numpy())
+    np.testing.assert_array_equal(gamma[0], np.asarray(stock.gamma))
     assert not np.allclose(gamma[0], gamma[1])
 
 
@@ -695,7 +703,9 @@ CONFIGURED = [
         "gamma_regularizer": keras.regularizers.L2(0.1),
         "gamma_constraint": keras.constraints.NonNeg(),
         "moving_variance_initializer": "random_uniform", "renorm": True,
-        "renorm_clipping": {"rmax": 2.0}, "synchronized": True}),
+        "renorm_clipping": {"rmax": 2.0},
+        # Stock Keras refuses it off TensorFlow.
+        "synchronized": BACKEND == "tensorflow"}),
     (FusedLayerNormalization, {
         "axis": [1, 2], "epsilon": 0.01, "scale": False,
         "beta_initializer": "random_normal"}),

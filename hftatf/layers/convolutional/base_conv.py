@@ -58,13 +58,12 @@ back). Folded kernels move the models next to the channels either way.
 
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from hftatf.core import compat
 from hftatf.core.axis import map_models, split_models, stack_models
-from hftatf.core.devices import runs_on_accelerator
 from hftatf.core.validation import check_model_axis
+from hftatf.layers.backends import runs_on_accelerator
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.kernels import add_bias_by_rows
 
@@ -92,12 +91,6 @@ def folds_models(implementation="auto"):
     if implementation == "auto":
         return runs_on_accelerator()
     return implementation == "grouped"
-
-
-def run_with_xla(function, *args):
-    """Runs `function(*args)` compiled by XLA, which (unlike TensorFlow's CPU
-    kernels) can differentiate grouped convolutions on every device."""
-    return tf.function(function, jit_compile=True)(*args)
 
 
 # -- The model axis and the channel axis -----------------------------------

@@ -1,19 +1,18 @@
 """Fused `Conv1DTranspose`, `Conv2DTranspose` and `Conv3DTranspose`."""
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.layers import registry
+from hftatf.layers.backends import conv_transpose_grouped, run_with_xla
 from hftatf.layers.convolutional.base_conv import (
     FusedConvolutionBase,
     check_filters,
     check_implementation,
     folds_models,
     models_into_axis,
-    run_with_xla,
 )
 
 
@@ -117,15 +116,13 @@ class FusedBaseConvTranspose(FusedConvolutionBase):
         """`[batch, *spatial, B * C]` and `[*k, F, B * C]` ->
         `[batch, *new_spatial, B * F]`, as the TensorFlow backend's
         `conv_transpose` computes it for one model."""
-        shape = [size if size is not None else tf.shape(inputs)[i]
-                 for i, size in enumerate(inputs.shape)]
         output_shape = compat.compute_conv_transpose_output_shape(
-            shape, self.kernel_size, self.num_models * self.filters,
-            self.strides, self.padding, self.output_padding,
-            self.data_format, self.dilation_rate)
-        return tf.nn.conv_transpose(
-            inputs, kernel, output_shape, list(self.strides),
-            padding=self.padding.upper(), dilations=self.dilation_rate)
+            list(ops.shape(inputs)), self.kernel_size,
+            self.num_models * self.filters, self.strides, self.padding,
+            self.output_padding, self.data_format, self.dilation_rate)
+        return conv_transpose_grouped(inputs, kernel, output_shape,
+                                      self.strides, self.padding,
+                                      self.dilation_rate)
 
     def compute_output_shape(self, input_shape):
         shape = compat.compute_conv_transpose_output_shape(

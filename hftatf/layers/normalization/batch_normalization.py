@@ -5,8 +5,8 @@ from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core.axis import pieces_if_stacked, stack_models
-from hftatf.core.devices import compiling_with_xla
 from hftatf.layers import registry
+from hftatf.layers.backends import compiling_with_xla
 from hftatf.layers.kernels import as_one_sample, batch_matmul
 from hftatf.layers.normalization.base_normalization import (
     AffineNormalization,
