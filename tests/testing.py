@@ -13,7 +13,7 @@ ATOL = 1e-5
 RTOL = 1e-5
 
 # TensorFlow's batched matmuls: oneDNN's on a CPU, and the Eigen kernel
-# `hftatf.layers.base.batch_matmul` picks for small products.
+# `hftatf.layers.backends.tensorflow_ops.batch_matmul` picks for small products.
 BATCHED_MATMULS = frozenset({"BatchMatMulV2", "BatchMatMulV3"})
 
 
