@@ -94,18 +94,23 @@ class PerModelSteps:
         Returns:
             `(trainable_variables, optimizer_variables)`: the new values.
         """
-        trained = compat.trained_variables(self) if self.built else []
-        for given, expected, what in (
-                (optimizer_variables, self.variables, "optimizer_variables"),
-                (trainable_variables, trained, "trainable_variables")):
-            if not self.built or len(given) != len(expected):
+        if not self.built:
+            raise ValueError(
+                f"Optimizer '{self.name}' is not built: `stateless_apply` "
+                "takes the values of its variables, which "
+                "`optimizer.build(variables)` creates. Call it first.")
+        trained = compat.trained_variables(self)
+        for given, expected, what, order in (
+                (optimizer_variables, self.variables, "optimizer_variables",
+                 "`optimizer.variables`"),
+                (trainable_variables, trained, "trainable_variables",
+                 "the variables the optimizer was built on")):
+            if len(given) != len(expected):
                 raise ValueError(
                     f"`stateless_apply` of optimizer '{self.name}' takes one "
-                    f"value per variable in `{what}`: {len(expected)} "
-                    f"values. Received {len(given)}"
-                    + ("" if self.built else " and the optimizer is not "
-                       "built; call `optimizer.build(variables)` first")
-                    + ".")
+                    f"value per variable in `{what}`, {len(expected)} in "
+                    f"all; received {len(given)}. Pass them in the order of "
+                    f"{order}.")
         mapping = (list(zip(trained, trainable_variables))
                    + list(zip(self.variables, optimizer_variables)))
         with keras.StatelessScope(state_mapping=mapping) as scope:

@@ -446,6 +446,28 @@ def test_mask_of_the_wrong_shape_raises(mask):
                               model_mask=mask)
 
 
+@pytest.mark.parametrize("loss_scale", [False, True],
+                         ids=["plain", "loss_scale"])
+def test_stateless_apply_refuses_values_that_are_not_the_variables(
+        loss_scale):
+    fused, fused_vars, _, _ = make_pair("SGD")
+    if loss_scale:
+        fused = optimizers.LossScaleOptimizer(fused)
+    grads = gradient_steps(1)[0]
+    values = [v.value for v in fused_vars]
+    with pytest.raises(ValueError, match="not built.*build"):
+        fused.stateless_apply([], grads, values)
+    fused.build(fused_vars)
+    state = [v.value for v in fused.variables]
+    with pytest.raises(ValueError, match=(
+            f"`optimizer_variables`, {len(state)} in all; received "
+            f"{len(state) - 1}")):
+        fused.stateless_apply(state[1:], grads, values)
+    with pytest.raises(ValueError, match=(
+            f"`trainable_variables`, {len(values)} in all; received 1")):
+        fused.stateless_apply(state, grads, values[:1])
+
+
 class ScalarStateSGD(optimizers.SGD):
     """Keeps a scalar, model-less variable: it cannot be updated per model."""
 
