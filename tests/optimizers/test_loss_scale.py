@@ -353,6 +353,44 @@ def test_changing_hyperparameters_and_scales_does_not_retrace():
 # -- mixed precision ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("compute_dtype", ["float16", "bfloat16"])
+def test_low_precision_steps_without_fit_match_stock(compute_dtype):
+    # The optimizer's part of a mixed-precision train step, on whichever
+    # backend runs: each model's loss computed in `compute_dtype` from its
+    # float32 weights and scaled by its own scale. Model 1's large inputs
+    # overflow its float16 gradients until its scale is small enough;
+    # bfloat16 has float32's range and does not overflow.
+    fused, fused_vars, stock, stock_vars = make_pair("SGD")
+    inputs = np.ones((B, 5), "float32")
+    inputs[1] = 100.0
+
+    def loss(variables, x):
+        """`[B]` per-model losses of `[B, ...]` variables, or one model's
+        loss of its own."""
+        kernel, other = (ops.cast(v, compute_dtype) for v in variables)
+        return ops.cast(
+            ops.sum(ops.square(kernel * ops.cast(x, compute_dtype)), -1)
+            + ops.sum(ops.square(other), (-2, -1)), "float32")
+
+    for step in range(5):
+        _, _, grads = value_and_gradients(
+            lambda: (None, fused.scale_model_losses(
+                loss(fused_vars, inputs))), [], fused_vars,
+            state=fused.variables)
+        fused.apply(grads, fused_vars)
+        for b in range(B):
+            _, _, model_grads = value_and_gradients(
+                lambda b=b: (None, stock[b].scale_loss(
+                    loss(stock_vars[b], inputs[b]))), [], stock_vars[b],
+                state=stock[b].variables)
+            apply_stock(stock[b], model_grads, stock_vars[b])
+        assert_state_matches("SGD", fused, fused_vars, stock, stock_vars,
+                             err_msg=f"step {step}")
+    steps = np.asarray(fused.model_iterations)
+    assert list(steps[[0, 2]]) == [5, 5]
+    assert (steps[1] < 5) == (compute_dtype == "float16"), steps
+
+
 @pytest.fixture
 def mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")
