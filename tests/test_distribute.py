@@ -8,9 +8,13 @@ import sys
 import time
 
 import pytest
-import tensorflow as tf
 
-from hftatf import distribute
+pytestmark = pytest.mark.backends(
+    "tensorflow", reason="tf.distribute strategies (on JAX: "
+    "test_jax_distribution.py)")
+tf = pytest.importorskip("tensorflow")
+
+from hftatf import distribute  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 
