@@ -272,9 +272,14 @@ def test_export_and_checkpoint_files_train_on(tmp_path):
     assert_trains_on_as_the_array(array, saved, *data())
 
 
-def test_load_models_compiled_trains_on(tmp_path):
+@pytest.mark.parametrize("formats", [
+    ("keras",),
+    pytest.param(("keras", "checkpoint"), marks=pytest.mark.backends(
+        "tensorflow", reason="TF checkpoints are written on TensorFlow "
+        "only"))], ids=["keras", "keras_and_checkpoint"])
+def test_load_models_compiled_trains_on(tmp_path, formats):
     array = trained_array(optimizers.Adam([0.02, 0.01]))
-    array.export_models(tmp_path, format=("keras", "checkpoint"))
+    array.export_models(tmp_path, format=formats)
     assert not any(m.compiled for m in hftatf.load_models(tmp_path))
     loaded = hftatf.load_models(tmp_path, compile=True)
     assert all(int(m.optimizer.iterations) == 3 for m in loaded)
