@@ -12,7 +12,7 @@ from keras import ops
 from hftatf import sparse
 from hftatf.core import compat
 from hftatf.core.axis import to_model_rank
-from hftatf.optimizers import scopes
+from hftatf.optimizers import backend
 
 
 class PerModelClipping:
@@ -113,10 +113,8 @@ class PerModelClipping:
         if self.weight_decay is None:
             return
         for variable in variables:
-            # As the stock optimizer on TensorFlow: an exclusion pattern is
-            # matched against the TensorFlow variable's name, its path
-            # ("logits/kernel:0"), so a pattern may name a layer.
-            if compat.uses_weight_decay(self, scopes.unwrap(variable)):
+            if compat.uses_weight_decay(
+                    self, backend.weight_decay_subject(variable)):
                 learning_rate = self._per_model(self.learning_rate, variable)
                 weight_decay = self._hyper("weight_decay", variable)
                 self.assign_sub(variable,

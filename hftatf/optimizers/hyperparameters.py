@@ -12,13 +12,12 @@ import inspect
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
 from hftatf.core import compat
 from hftatf.core.axis import to_model_rank
 from hftatf.core.validation import LEARNING_RATE, Range, check_range, is_number
-from hftatf.optimizers import scopes
+from hftatf.optimizers import backend, scopes
 
 Schedule = keras.optimizers.schedules.LearningRateSchedule
 
@@ -213,7 +212,7 @@ class PerModelHyperparameters:
         # A fresh cache in each branch of a cond: a tensor made in one
         # branch cannot be read outside it.
         with scopes.set_for(scopes.BROADCASTS, self,
-                      None if tf.distribute.has_strategy() else {}):
+                      None if backend.has_strategy() else {}):
             yield
 
     def _local_step(self, variable):

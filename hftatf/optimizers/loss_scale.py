@@ -1,13 +1,13 @@
 """Dynamic loss scaling for an array, one loss scale per model."""
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from hftatf import sparse
 from hftatf.api import hftatf_export
 from hftatf.core import compat, hooks
 from hftatf.core.axis import to_model_rank
+from hftatf.optimizers import backend
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["LossScaleOptimizer"]
@@ -158,15 +158,13 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
         finite = [sparse.finite_per_model(g, self.num_models)
                   for g in grads if g is not None]
         finite = ops.all(ops.stack(finite), axis=0)
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
-            # The inner optimizer sums gradients over replicas: a non-finite
-            # slice on any replica makes that model's summed gradient so.
-            overflows = context.all_reduce(
-                tf.distribute.ReduceOp.SUM,
-                ops.cast(ops.logical_not(finite), "float32"))
-            finite = ops.equal(overflows, 0)
-        return finite
+        if backend.replicas_in_sync() <= 1:
+            return finite
+        # The inner optimizer sums gradients over replicas: a non-finite
+        # slice on any replica makes that model's summed gradient so.
+        overflows = backend.sum_over_replicas(
+            ops.cast(ops.logical_not(finite), "float32"))
+        return ops.equal(overflows, 0)
 
     # -- applying -----------------------------------------------------------
 
@@ -203,8 +201,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
 
     def _update_scales(self, finite, model_mask):
         """The stock update of the scale and growth counter, per model."""
-        counter = tf.convert_to_tensor(self.step_counter)
-        scale = tf.convert_to_tensor(self.dynamic_scale)
+        counter = ops.convert_to_tensor(self.step_counter)
+        scale = ops.convert_to_tensor(self.dynamic_scale)
         grow = ops.logical_and(
             finite, ops.equal(counter, self.dynamic_growth_steps - 1))
         new_counter = ops.where(
@@ -218,7 +216,11 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer, FusedOptimizer):
         self.step_counter.assign(new_counter)
         self.dynamic_scale.assign(new_scale)
 
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise ValueError(
-            "stateless_apply is not supported with the TensorFlow backend, "
-            "which hftatf uses; call `apply`.")
+    def stateless_apply(self, optimizer_variables, grads,
+                        trainable_variables, model_mask=None):
+        """As `FusedOptimizer.stateless_apply`: `apply` (per-model finite
+        checks and scales) on the values given, over this optimizer's
+        variables and the inner optimizer's (`variables`)."""
+        return FusedOptimizer.stateless_apply(
+            self, optimizer_variables, grads, trainable_variables,
+            model_mask=model_mask)

@@ -1,11 +1,11 @@
 """Fused Schedule-Free AdamW."""
 
-import tensorflow as tf
 from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
 from hftatf.core.validation import Range
+from hftatf.optimizers import backend
 from hftatf.optimizers.base import FusedOptimizer
 
 __all__ = ["ScheduleFreeAdamW"]
@@ -15,7 +15,7 @@ def _value_of(variable):
     """An initializer giving `variable`'s present value, read outside any
     traced function (so that the new variable's creation can be lifted out
     of one)."""
-    with tf.init_scope():
+    with backend.outside_traced_functions():
         value = ops.convert_to_numpy(variable)
     return lambda shape, dtype: ops.cast(value, dtype)
 

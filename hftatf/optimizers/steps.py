@@ -11,13 +11,12 @@ optimizer skips the steps of a single model.
 import contextlib
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
 from hftatf.core.axis import to_model_rank
-from hftatf.optimizers import scopes
+from hftatf.optimizers import backend, scopes
 
 
 class PerModelSteps:
@@ -64,7 +63,7 @@ class PerModelSteps:
         trainable_variables = self._variables_to_update(grads,
                                                         trainable_variables)
         mask = self._standardize_model_mask(model_mask)
-        if (mask is None or tf.distribute.has_strategy()
+        if (mask is None or backend.has_strategy()
                 or compat.compiled_by_xla()):
             # (A replica-context cond may not hold the merge_call that
             # updates make under tf.distribute. XLA fuses the selects of
@@ -79,6 +78,45 @@ class PerModelSteps:
             ops.cond(ops.all(mask),
                      lambda: self._apply(grads, trainable_variables, None),
                      lambda: self._apply(grads, trainable_variables, mask))
+
+    def stateless_apply(self, optimizer_variables, grads,
+                        trainable_variables, model_mask=None):
+        """As `keras.optimizers.Optimizer.stateless_apply` (the step of
+        Keras's JAX trainer), with `model_mask` as in `apply`.
+
+        Args:
+            optimizer_variables: the values of `self.variables`, in order.
+            grads: one `[B, ...]` gradient per trained variable.
+            trainable_variables: the values of the variables the optimizer
+                was built on, in order.
+            model_mask: None, or the `[B]` booleans of the models to update.
+
+        Returns:
+            `(trainable_variables, optimizer_variables)`: the new values.
+        """
+        if not self.built:
+            raise ValueError(
+                f"Optimizer '{self.name}' is not built: `stateless_apply` "
+                "takes the values of its variables, which "
+                "`optimizer.build(variables)` creates. Call it first.")
+        trained = compat.trained_variables(self)
+        for given, expected, what, order in (
+                (optimizer_variables, self.variables, "optimizer_variables",
+                 "`optimizer.variables`"),
+                (trainable_variables, trained, "trainable_variables",
+                 "the variables the optimizer was built on")):
+            if len(given) != len(expected):
+                raise ValueError(
+                    f"`stateless_apply` of optimizer '{self.name}' takes one "
+                    f"value per variable in `{what}`, {len(expected)} in "
+                    f"all; received {len(given)}. Pass them in the order of "
+                    f"{order}.")
+        mapping = (list(zip(trained, trainable_variables))
+                   + list(zip(self.variables, optimizer_variables)))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self.apply(grads, model_mask=model_mask)
+        return ([scope.get_current_value(v) for v in trained],
+                [scope.get_current_value(v) for v in self.variables])
 
     def _apply(self, grads, trainable_variables, mask):
         """`apply` to the built optimizer's `trainable_variables`, with the
@@ -182,8 +220,8 @@ class PerModelSteps:
     def _merged_by_clipping(self, grads):
         """The `[B]` models whose sparse gradients `global_clipnorm` made
         dense (None if none): replicas' sums of them must be merged too."""
-        if self.global_clipnorm is None or not tf.distribute.has_strategy(
-                ) or not any(sparse.is_sparse(g) for g in grads):
+        if self.global_clipnorm is None or not backend.has_strategy() or (
+                not any(sparse.is_sparse(g) for g in grads)):
             return None
         return self._hyper_variables["global_clipnorm"] > 0
 
@@ -223,7 +261,7 @@ class PerModelSteps:
                 or sparse.rows_per_model(value, variable.shape) > 1):
             # The rows given replace the variable's; the others stay.
             old = scopes.read(variable)
-            value = ops.reshape(tf.tensor_scatter_nd_update(
+            value = ops.reshape(ops.scatter_update(
                 ops.reshape(old, tuple(value.shape)),
                 ops.expand_dims(value.indices, -1),
                 ops.cast(value.values, old.dtype)), old.shape)
@@ -266,7 +304,7 @@ class PerModelSteps:
     @compat.optimizer_hook
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         mask = self._model_mask
-        if mask is None or not tf.distribute.has_strategy():
+        if mask is None or not backend.has_strategy():
             # Without replicas the update runs in this thread, which holds
             # the mask (`_masked`).
             return super()._backend_update_step(grads, trainable_variables,

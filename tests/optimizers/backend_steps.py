@@ -16,6 +16,76 @@ MASKS = [[True, True], [True, False], [False, True], [True, True],
          [False, False], [True, True], [True, False]]
 
 
+def compiled(step, optimizer=None, variables=(), jit_compile=None):
+    """`step(*tensors)`, which applies `optimizer` to the Keras
+    `variables` (or, without them, only computes), compiled as the
+    backend's trainer compiles a train step; it returns what `step`
+    returns.
+
+    On TensorFlow, a `tf.function` (XLA where `jit_compile`), which builds
+    the optimizer on its first trace. On JAX, a `jax.jit` of `step` made
+    stateless (a `keras.StatelessScope` over the values of the optimizer's
+    variables and `variables`), after which the new values are assigned;
+    the optimizer is built first, as the JAX trainer builds it. Either way
+    `step`'s Python code runs once per trace.
+    """
+    if keras.backend.backend() != "jax":
+        import tensorflow as tf
+
+        return tf.function(step, jit_compile=jit_compile)
+    import jax
+
+    def state():
+        held = list(variables)
+        return held if optimizer is None else optimizer.variables + held
+
+    def stateless(values, *tensors):
+        with keras.StatelessScope(
+                state_mapping=list(zip(state(), values))) as scope:
+            outputs = step(*tensors)
+        return outputs, [scope.get_current_value(v) for v in state()]
+
+    jitted = jax.jit(stateless)
+
+    def run(*tensors):
+        if optimizer is not None and not optimizer.built:
+            optimizer.build(variables)
+        held = state()
+        outputs, values = jitted([v.value for v in held], *tensors)
+        for variable, value in zip(held, values):
+            variable.assign(value)
+        return outputs
+
+    return run
+
+
+def apply_stock(optimizer, grads, variables):
+    """Stock `optimizer` applies `grads` to `variables` as the backend's
+    trainer applies it: `apply_gradients` on TensorFlow, `stateless_apply`
+    on JAX, where the stock `LossScaleOptimizer`'s `apply` branches with
+    conds that assign variables, which JAX cannot trace."""
+    if keras.backend.backend() != "jax":
+        optimizer.apply_gradients(zip(grads, variables))
+        return
+    if not optimizer.built:
+        optimizer.build(variables)
+    new_variables, new_state = optimizer.stateless_apply(
+        [v.value for v in optimizer.variables], list(grads),
+        [v.value for v in variables])
+    for variable, value in zip([*variables, *optimizer.variables],
+                               [*new_variables, *new_state]):
+        variable.assign(value)
+
+
+def apply_stock_per_model(optimizers, variables, grads):
+    """As `testing.apply_per_model` (stock optimizer `b` applies slice `b`
+    of every gradient to `variables[b]`), through `apply_stock`."""
+    for model, (optimizer, model_variables) in enumerate(
+            zip(optimizers, variables)):
+        apply_stock(optimizer, [grad[model] for grad in grads],
+                    model_variables)
+
+
 def run():
     """The `[2, 3]` weights after the steps, as a NumPy array."""
     optimizer = optimizers.Adam(

@@ -21,6 +21,9 @@ from testing import assert_close
 HERE = pathlib.Path(__file__).parent
 
 
+@pytest.mark.backends(
+    "tensorflow", reason="it compares the JAX steps with the TensorFlow "
+    "steps of this process")
 def test_jax_steps_equal_tensorflow_steps():
     pytest.importorskip("jax")
     env = dict(os.environ, KERAS_BACKEND="jax",

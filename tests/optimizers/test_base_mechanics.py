@@ -7,13 +7,15 @@ simply do not take the steps their model skips.
 """
 
 import collections
+import contextlib
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from backend_steps import compiled
 from keras import ops
 from testing import (
+    BACKEND,
     apply_per_model,
     assert_close,
     assert_slices_match,
@@ -89,6 +91,15 @@ def assert_state_matches(name, fused, fused_vars, stock, stock_vars,
         [int(opt.iterations) for opt in stock], err_msg=err_msg)
 
 
+def x64():
+    """A context where the backend computes in float64 (JAX's x64 mode)."""
+    if BACKEND == "jax":
+        import jax
+
+        return jax.enable_x64(True)
+    return contextlib.nullcontext()
+
+
 def step_function(fused, fused_vars, mode):
     """`fused` applying gradients (and a mask), eagerly or in a graph."""
     def apply(grads, mask=None):
@@ -96,7 +107,7 @@ def step_function(fused, fused_vars, mode):
 
     if mode == "eager":
         return apply
-    return tf.function(apply, jit_compile=mode == "xla")
+    return compiled(apply, fused, fused_vars, jit_compile=mode == "xla")
 
 
 # -- EMA, per model ----------------------------------------------------------
@@ -117,7 +128,7 @@ def test_ema_matches_stock_per_model(name, overwrite, mode):
     apply = step_function(fused, fused_vars, mode)
     for step, grads in enumerate(gradient_steps(7)):
         apply_per_model(stock, stock_vars, grads)
-        apply([tf.constant(g) for g in grads])
+        apply(grads)
         assert_state_matches(name, fused, fused_vars, stock, stock_vars,
                              err_msg=f"step {step}")
     assert_close(fused.get_hyperparameter("ema_momentum"), EMA_MOMENTUM)
@@ -221,13 +232,16 @@ def test_float64_hyperparameters_are_not_rounded_to_float32():
     # As a stock optimizer's learning-rate variable holds 0.01 exactly.
     previous = keras.config.floatx()
     keras.config.set_floatx("float64")
+    # JAX holds float64 only with x64 enabled (stock variables too).
     try:
-        optimizer = optimizers.SGD(learning_rate=[0.01, 0.1], momentum=0.9)
-        optimizer.build([keras.Variable(np.zeros((2, 3)))])
-        assert optimizer.get_hyperparameter("learning_rate").tolist() == [
-            0.01, 0.1]
-        assert optimizer.get_hyperparameter("momentum").tolist() == [0.9,
-                                                                     0.9]
+        with x64():
+            optimizer = optimizers.SGD(learning_rate=[0.01, 0.1],
+                                       momentum=0.9)
+            optimizer.build([keras.Variable(np.zeros((2, 3)))])
+            assert optimizer.get_hyperparameter(
+                "learning_rate").tolist() == [0.01, 0.1]
+            assert optimizer.get_hyperparameter("momentum").tolist() == [
+                0.9, 0.9]
     finally:
         keras.config.set_floatx(previous)
 
@@ -253,7 +267,7 @@ def test_gradient_accumulation_matches_stock(name, steps, mode):
     apply = step_function(fused, fused_vars, mode)
     for step, grads in enumerate(gradient_steps(7)):
         apply_per_model(stock, stock_vars, grads)
-        apply([tf.constant(g) for g in grads])
+        apply(grads)
         assert_state_matches(name, fused, fused_vars, stock, stock_vars,
                              err_msg=f"step {step}")
         assert int(fused.iterations) == int(stock[0].iterations)
@@ -347,8 +361,7 @@ def test_partial_steps_match_stock_optimizers_that_skip_them(config, mode):
         for b in np.flatnonzero(mask):
             stock[b].apply_gradients(zip([g[b] for g in grads],
                                          stock_vars[b]))
-        apply([tf.constant(g) for g in masked_gradients(grads, mask)],
-              tf.constant(mask))
+        apply(masked_gradients(grads, mask), mask)
         assert_state_matches(name, fused, fused_vars, stock, stock_vars,
                              err_msg=f"step {step}")
     # Steps applied to at least one model.
@@ -364,8 +377,7 @@ def test_partial_steps_under_xla_match_stock():
         for b in np.flatnonzero(mask):
             stock[b].apply_gradients(zip([g[b] for g in grads],
                                          stock_vars[b]))
-        apply([tf.constant(g) for g in masked_gradients(grads, mask)],
-              tf.constant(mask))
+        apply(masked_gradients(grads, mask), mask)
         assert_state_matches(name, fused, fused_vars, stock, stock_vars,
                              err_msg=f"step {step}")
 
@@ -434,6 +446,28 @@ def test_mask_of_the_wrong_shape_raises(mask):
                               model_mask=mask)
 
 
+@pytest.mark.parametrize("loss_scale", [False, True],
+                         ids=["plain", "loss_scale"])
+def test_stateless_apply_refuses_values_that_are_not_the_variables(
+        loss_scale):
+    fused, fused_vars, _, _ = make_pair("SGD")
+    if loss_scale:
+        fused = optimizers.LossScaleOptimizer(fused)
+    grads = gradient_steps(1)[0]
+    values = [v.value for v in fused_vars]
+    with pytest.raises(ValueError, match="not built.*build"):
+        fused.stateless_apply([], grads, values)
+    fused.build(fused_vars)
+    state = [v.value for v in fused.variables]
+    with pytest.raises(ValueError, match=(
+            f"`optimizer_variables`, {len(state)} in all; received "
+            f"{len(state) - 1}")):
+        fused.stateless_apply(state[1:], grads, values)
+    with pytest.raises(ValueError, match=(
+            f"`trainable_variables`, {len(values)} in all; received 1")):
+        fused.stateless_apply(state, grads, values[:1])
+
+
 class ScalarStateSGD(optimizers.SGD):
     """Keeps a scalar, model-less variable: it cannot be updated per model."""
 
@@ -462,10 +496,11 @@ def test_hyperparameters_and_masks_change_without_retracing():
     fused.build(fused_vars)
     traces = []
 
-    @tf.function
     def train_step(grads, mask):
         traces.append(None)
         fused.apply_gradients(zip(grads, fused_vars), model_mask=mask)
+
+    train_step = compiled(train_step, fused, fused_vars)
 
     new_momentum = [0.2, 0.95, 0.6]
     for step, grads in enumerate(gradient_steps(5)):
@@ -479,7 +514,7 @@ def test_hyperparameters_and_masks_change_without_retracing():
         for b in np.flatnonzero(mask):
             stock[b].apply_gradients(zip([g[b] for g in grads],
                                          stock_vars[b]))
-        train_step([tf.constant(g) for g in grads], tf.constant(mask))
+        train_step(grads, mask)
         assert_state_matches("SGD", fused, fused_vars, stock, stock_vars,
                              err_msg=f"step {step}")
     assert len(traces) == 1
@@ -510,7 +545,11 @@ def test_config_round_trip_of_base_options():
         assert clone.get_config() == config
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "own_variables"])
+@pytest.mark.parametrize("how", [
+    pytest.param("checkpoint", marks=pytest.mark.backends(
+        "tensorflow", reason="tf.train.Checkpoint saves TensorFlow "
+        "variables")),
+    "own_variables"])
 def test_model_step_counts_are_checkpointed(how, tmp_path):
     def trained(seed):
         fused, fused_vars, _, _ = make_pair(
@@ -524,6 +563,8 @@ def test_model_step_counts_are_checkpointed(how, tmp_path):
     restored, restored_vars = trained(7)
     restored.apply_gradients(zip(gradient_steps(1)[0], restored_vars))
     if how == "checkpoint":
+        import tensorflow as tf
+
         path = tf.train.Checkpoint(optimizer=saved).save(tmp_path / "ckpt")
         tf.train.Checkpoint(optimizer=restored).restore(
             path).assert_existing_objects_matched()
@@ -551,6 +592,8 @@ def _branch_op_counts(num_variables):
                  for _ in range(num_variables)]
     optimizer = optimizers.Adam([0.1, 0.2, 0.3])
     optimizer.build(variables)
+    import tensorflow as tf
+
     grads = [tf.ones((3, 4, 5))] * num_variables
     step = tf.function(lambda mask: optimizer.apply(grads, variables, mask))
     graph = step.get_concrete_function(
@@ -562,6 +605,10 @@ def _branch_op_counts(num_variables):
         for branch in ("then_branch", "else_branch")}
 
 
+@pytest.mark.backends(
+    "tensorflow", reason="it reads the branches of the TensorFlow cond "
+    "between the unmasked and the masked update; on JAX every masked step "
+    "selects, in the XLA computation of the step")
 def test_steps_of_every_model_select_nothing_and_broadcast_once():
     # A masked step where every model trains takes the unmasked update
     # (no select per variable and slot); each hyper-parameter and the step
@@ -653,7 +700,8 @@ def test_state_saved_without_complements_loads(wrap):
     store = {str(i): ops.convert_to_numpy(v) for i, v in enumerate(old_layout)}
 
     loaded = _complemented_adam(wrap)
-    loaded.build([keras.Variable(ops.zeros_like(v)) for v in variables])
+    loaded.build([keras.Variable(np.zeros(v.shape, v.dtype))
+                  for v in variables])
     loaded.load_own_variables(store)
     assert len(loaded.variables) == len(saved.variables)
     for mine, theirs in zip(loaded.variables, saved.variables):

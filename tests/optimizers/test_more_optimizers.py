@@ -11,7 +11,7 @@ import inspect
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from backend_steps import compiled
 from keras import ops
 from testing import (
     apply_per_model,
@@ -209,13 +209,14 @@ def test_matches_stock_inside_xla_compiled_function(name):
 
     # Built on the first trace (symbolically), as when a train step is the
     # first call: per-model slot initial values must survive that.
-    @tf.function(jit_compile=True)
     def train_step(grads):
         fused.apply_gradients(zip(grads, fused_vars))
 
+    train_step = compiled(train_step, fused, fused_vars, jit_compile=True)
+
     for step, grads in enumerate(gradient_steps(steps=4)):
         apply_per_model(stock, stock_vars, grads)
-        train_step([tf.constant(g) for g in grads])
+        train_step(grads)
         assert_state_matches(name, fused, fused_vars, stock, stock_vars,
                              err_msg=f"step {step}")
 
@@ -332,10 +333,11 @@ def test_changing_a_hyperparameter_takes_effect_without_retracing(
     fused.build(fused_vars)
     traces = []
 
-    @tf.function
     def train_step(grads):
         traces.append(None)
         fused.apply_gradients(zip(grads, fused_vars))
+
+    train_step = compiled(train_step, fused, fused_vars)
 
     for step, grads in enumerate(gradient_steps(steps=6)):
         if step == 3:
@@ -344,7 +346,7 @@ def test_changing_a_hyperparameter_takes_effect_without_retracing(
                 setattr(opt, hyper, new[b] if isinstance(new, list) else new)
         apply_per_model(stock, stock_vars, grads)
         apply_per_model(control, control_vars, grads)
-        train_step([tf.constant(g) for g in grads])
+        train_step(grads)
         assert_state_matches(name, fused, fused_vars, stock, stock_vars,
                              err_msg=f"step {step}")
     assert len(traces) == 1

@@ -10,11 +10,16 @@ repeat ids, against one `FusedEmbedding` trained with one fused optimizer.
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from testing import assert_close, stock_and_fused_embeddings
 
 import hftatf
 from hftatf import optimizers
+
+pytestmark = pytest.mark.backends(
+    "tensorflow", reason="sparse gradients (tf.IndexedSlices) are "
+    "TensorFlow's: stock Keras on JAX, and the array with it, applies an "
+    "embedding table's gradient dense, as any other")
+tf = pytest.importorskip("tensorflow")
 
 B = 3
 VOCAB = 6

@@ -11,6 +11,7 @@ hyper-parameter was carried over.
 import keras
 import numpy as np
 import pytest
+from backend_steps import apply_stock
 from testing import assert_close
 
 import hftatf
@@ -104,6 +105,37 @@ def test_unfused_models_train_on_as_the_array(name):
         assert int(stock.optimizer.iterations) == int(
             array.optimizer.model_iterations[b])
     assert_trains_on_as_the_array(array, models, *data())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_copied_state_steps_on_as_the_fused_optimizer(name):
+    """Without `fit`: model b's state, copied into its stock optimizer,
+    takes the next steps as the fused optimizer takes them, each applied
+    as the backend's trainer applies it."""
+    fused = OPTIMIZERS[name]()
+    rng = np.random.default_rng(0)
+    shapes = {"hidden": (5, 6), "bias": (6,), "logits": (6, 3)}
+    fused_vars = [keras.Variable(
+        rng.standard_normal((B, *shape)).astype("float32"), name=name)
+        for name, shape in shapes.items()]
+    steps = [[rng.standard_normal(v.shape).astype("float32")
+              for v in fused_vars] for _ in range(5)]
+    for grads in steps[:3]:
+        fused.apply(grads, fused_vars)
+    stock = []
+    for b in range(B):
+        stock_vars = [keras.Variable(np.asarray(v)[b], name=v.name)
+                      for v in fused_vars]
+        stock.append((copy_state(fused, b, optimizers.stock_optimizer(
+            fused, b), list(zip(fused_vars, stock_vars))), stock_vars))
+    for grads in steps[3:]:
+        fused.apply(grads, fused_vars)
+        for b, (optimizer, variables) in enumerate(stock):
+            apply_stock(optimizer, [g[b] for g in grads], variables)
+    for b, (_, variables) in enumerate(stock):
+        for ours, theirs in zip(fused_vars, variables):
+            assert_close(np.asarray(ours)[b], theirs,
+                         err_msg=f"model {b} {theirs.name}")
 
 
 def test_the_state_is_what_makes_them_agree():
@@ -240,9 +272,14 @@ def test_export_and_checkpoint_files_train_on(tmp_path):
     assert_trains_on_as_the_array(array, saved, *data())
 
 
-def test_load_models_compiled_trains_on(tmp_path):
+@pytest.mark.parametrize("formats", [
+    ("keras",),
+    pytest.param(("keras", "checkpoint"), marks=pytest.mark.backends(
+        "tensorflow", reason="TF checkpoints are written on TensorFlow "
+        "only"))], ids=["keras", "keras_and_checkpoint"])
+def test_load_models_compiled_trains_on(tmp_path, formats):
     array = trained_array(optimizers.Adam([0.02, 0.01]))
-    array.export_models(tmp_path, format=("keras", "checkpoint"))
+    array.export_models(tmp_path, format=formats)
     assert not any(m.compiled for m in hftatf.load_models(tmp_path))
     loaded = hftatf.load_models(tmp_path, compile=True)
     assert all(int(m.optimizer.iterations) == 3 for m in loaded)
