@@ -10,7 +10,10 @@ noise))`, holding two nested models named `GENERATOR` and `DISCRIMINATOR`
 import keras
 from keras import ops
 
-from hftatf.models.batches import require_tensorflow
+if keras.backend.backend() == "jax":
+    from hftatf.models import gan_jax as steps
+else:
+    from hftatf.models import gan_tensorflow as steps
 
 GENERATOR = "generator"
 DISCRIMINATOR = "discriminator"
@@ -64,6 +67,9 @@ class GAN(keras.Model):
         self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
         self.d_loss_tracker = keras.metrics.Mean(name="d_loss")
         self.g_loss_tracker = keras.metrics.Mean(name="g_loss")
+        # Its weights are its built networks': nothing for fit to build by
+        # calling it on a batch of images (it takes noise).
+        self.built = True
 
     @property
     def metrics(self):
@@ -73,7 +79,6 @@ class GAN(keras.Model):
                 optimizer=None, jit_compile="auto", **kwargs):
         """One stock optimizer per network; both default to copies of
         `optimizer` (by default DCGAN's `Adam(2e-4, beta_1=0.5)`)."""
-        super().compile(jit_compile=jit_compile, **kwargs)
         optimizer = optimizer or keras.optimizers.Adam(2e-4, beta_1=0.5)
         self.generator_optimizer = keras.optimizers.get(
             generator_optimizer or fresh_copy(optimizer))
@@ -82,12 +87,23 @@ class GAN(keras.Model):
         self.generator_optimizer.build(self.generator.trainable_variables)
         self.discriminator_optimizer.build(
             self.discriminator.trainable_variables)
+        super().compile(
+            optimizer=steps.trainer_optimizer(self.discriminator_optimizer,
+                                              self.generator_optimizer),
+            jit_compile=jit_compile, **kwargs)
 
     def call(self, noise, training=False):
         return self.discriminator(self.generator(noise, training=training),
                                   training=training)
 
-    def train_step(self, data):
+    def train_step(self, *state_and_data):
+        """The backend's step (`gan_tensorflow` or `gan_jax`):
+        `train_step(data)` on TensorFlow, the stateless
+        `train_step(state, data)` on JAX."""
+        return steps.train_gan(self, *state_and_data)
+
+    def images_and_noise(self, data):
+        """`(images, noise)` of a batch: noise from the data, else drawn."""
         images, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         noise = None
         if isinstance(images, dict):
@@ -96,24 +112,16 @@ class GAN(keras.Model):
             noise = keras.random.normal(
                 (ops.shape(images)[0], self.latent_dim),
                 seed=self.seed_generator)
-        tf = require_tensorflow("GAN's training step (a GradientTape)")
-        with tf.GradientTape(persistent=True) as tape:
-            fake = self.generator(noise, training=True)
-            real_logits = self.discriminator(images, training=True)
-            fake_logits = self.discriminator(fake, training=True)
-            d_loss = (self.bce(ops.ones_like(real_logits), real_logits)
-                      + self.bce(ops.zeros_like(fake_logits), fake_logits))
-            g_loss = self.bce(ops.ones_like(fake_logits), fake_logits)
-        d_weights = self.discriminator.trainable_variables
-        g_weights = self.generator.trainable_variables
-        self.discriminator_optimizer.apply(tape.gradient(d_loss, d_weights),
-                                           d_weights)
-        self.generator_optimizer.apply(tape.gradient(g_loss, g_weights),
-                                       g_weights)
-        del tape
-        self.d_loss_tracker.update_state(d_loss)
-        self.g_loss_tracker.update_state(g_loss)
-        return {m.name: m.result() for m in self.metrics}
+        return images, noise
+
+    def losses_of(self, images, noise):
+        """`(d_loss, g_loss)` of one training forward pass."""
+        fake = self.generator(noise, training=True)
+        real_logits = self.discriminator(images, training=True)
+        fake_logits = self.discriminator(fake, training=True)
+        d_loss = (self.bce(ops.ones_like(real_logits), real_logits)
+                  + self.bce(ops.zeros_like(fake_logits), fake_logits))
+        return d_loss, self.bce(ops.ones_like(fake_logits), fake_logits)
 
 
 def fresh_copy(optimizer):

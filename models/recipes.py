@@ -16,6 +16,7 @@ _RECIPES = {}
 
 # The modules of the package that hold no model (data and recipe helpers).
 _NOT_MODELS = ("recipes", "data", "batches", "clouds", "records", "text",
+               "gan_jax", "gan_tensorflow",
                "masked_lm")
 
 

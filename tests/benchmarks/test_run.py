@@ -456,8 +456,6 @@ def test_stock_gan_twin_trains_like_the_array():
     assert {"d_loss_0", "g_loss_1"} <= set(logs)
 
 
-@pytest.mark.backends("tensorflow", reason="the stock GAN's step is a "
-                      "GradientTape; its stateless JAX twin is to come")
 def test_probe_measures_a_stock_twin_with_a_step_of_its_own():
     # The GAN twin holds its weights in two inner models and does not count
     # as built itself, which `count_params()` requires.

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from testing import assert_close
+from testing import assert_close, value_and_gradients
 
 import hftatf
 from hftatf.models import dcgan, recipes
@@ -90,6 +90,47 @@ def test_gan_losses_are_the_stock_binary_crossentropies():
         assert_close(d_losses[b], bce(ones, real[:, b])
                      + bce(zeros, fake[:, b]))
         assert_close(g_losses[b], bce(ones, fake[:, b]))
+
+
+# -- the stock GAN's step (the oracle's) on each backend --------------------
+
+
+def test_stock_gan_step_applies_each_loss_to_its_own_network():
+    model = small_gan()
+    start = model.get_weights()
+    x = images(8)
+    noise = np.random.default_rng(4).normal(size=(8, LATENT)).astype(
+        "float32")
+    reference = dcgan.GAN(model)
+    losses = {}
+    gradients = {}
+    for index, (name, network) in enumerate(
+            (("d_loss", reference.discriminator),
+             ("g_loss", reference.generator))):
+        value, _, gradients[name] = value_and_gradients(
+            lambda index=index: (reference.losses_of(x, noise)[index],) * 2,
+            (),
+            network.trainable_variables)
+        losses[name] = float(keras.ops.convert_to_numpy(value))
+    expected = {}
+    for name, network, rate in (("d_loss", reference.discriminator, 0.1),
+                                ("g_loss", reference.generator, 0.05)):
+        for variable, gradient in zip(network.trainable_variables,
+                                      gradients[name]):
+            expected[variable.path] = keras.ops.convert_to_numpy(
+                variable.value) - rate * np.asarray(gradient)
+
+    model.set_weights(start)
+    gan = dcgan.GAN(model)
+    gan.compile(keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.1))
+    history = gan.fit({"images": x, "noise": noise}, batch_size=8,
+                      epochs=1, shuffle=False, verbose=0).history
+    for name in ("d_loss", "g_loss"):
+        assert_close(history[name][0], losses[name], err_msg=name)
+    for variable in (gan.generator.trainable_variables
+                     + gan.discriminator.trainable_variables):
+        assert_close(variable.value, expected[variable.path],
+                     err_msg=variable.path)
 
 
 # -- FusedGAN against stock GANs --------------------------------------------
