@@ -16,12 +16,16 @@ from hftatf import optimizers as fused_optimizers
 from hftatf.api import hftatf_export
 from hftatf.core.axis import stack_models
 from hftatf.core.compat import (
-    scale_loss_for_distribution,
     unscale_loss_for_distribution,
 )
 from hftatf.model import FusedModel, PerModelMean
-from hftatf.models.batches import require_tensorflow
-from hftatf.models.gan import DISCRIMINATOR, GENERATOR, fresh_copy, gan_losses
+from hftatf.models.gan import (
+    DISCRIMINATOR,
+    GENERATOR,
+    fresh_copy,
+    gan_losses,
+    steps,
+)
 
 
 @hftatf_export
@@ -181,54 +185,34 @@ class FusedGAN(FusedModel):
         """Independent standard normal noise for every model,
         `[batch_size, B, latent_dim]`: model `b`'s drawn from `(noise_seed,
         step, b)`, so it does not depend on how many models the array
-        holds. Override for another noise distribution."""
-        tf = require_tensorflow("FusedGAN's noise (stateless TensorFlow "
-                                "random numbers)")
-        replica = tf.distribute.get_replica_context()
-        replica_id = 0 if replica is None else (
-            replica.replica_id_in_sync_group)
-        seed = ops.stack([
-            ops.cast(self.noise_seed + 7919 * replica_id, "int64"),
-            ops.cast(self.optimizer.iterations, "int64")])
-        # One draw per model, stacked: the generators' first per-model
-        # layers read each model's draw itself (`model_pieces`).
-        return stack_models([
-            tf.random.stateless_normal(
-                (batch_size, self.latent_dim),
-                seed=tf.random.experimental.stateless_fold_in(seed, index))
-            for index in range(self.num_models)], 1)
+        holds (TensorFlow's stateless generator on TensorFlow, JAX's on
+        JAX: the two draw different numbers). Override for another noise
+        distribution."""
+        return steps.model_noise(self, batch_size)
 
     def compute_gan_losses(self, real_logits, fake_logits):
         """`(d_losses, g_losses)`, `[B]` each; `gan_losses` by default."""
         return gan_losses(real_logits, fake_logits)
 
-    def train_step(self, data):
-        real, noise = self._unpack_data(data)
-        discriminator_weights = self.discriminator.trainable_variables
-        generator_weights = self.generator.trainable_variables
-        state = self.model_state()
-        tf = require_tensorflow("FusedGAN's training step (a GradientTape)")
-        with tf.GradientTape(persistent=True) as tape:
-            d_losses, g_losses = self._gan_losses(real, noise, training=True)
-            d_objective = self.optimizer.scale_model_losses(
-                scale_loss_for_distribution(d_losses))
-            g_objective = self.generator_optimizer.scale_model_losses(
-                scale_loss_for_distribution(g_losses))
-        d_gradients = tape.gradient(d_objective, discriminator_weights)
-        g_gradients = tape.gradient(g_objective, generator_weights)
-        del tape
-        # Each model takes the step only where both its losses and all its
-        # gradients are finite; a diverging one is frozen, as in FusedModel.
-        self.apply_model_gradients(
-            [(self.optimizer, d_gradients, discriminator_weights),
-             (self.generator_optimizer, g_gradients, generator_weights)],
-            (d_losses, g_losses), state=state)
-        return self._track_gan(ops.shape(real)[0], d_losses, g_losses)
+    def train_step(self, *state_and_data):
+        """The backend's step (`gan_tensorflow` or `gan_jax`): one forward
+        pass, each network's gradient of its own `[B]` losses, then
+        `apply_model_gradients` with both optimizers (each model takes the
+        step only where both its losses and all its gradients are finite;
+        a diverging one is frozen, as in `FusedModel`)."""
+        return steps.train_fused_gan(self, *state_and_data)
 
-    def test_step(self, data):
-        real, noise = self._unpack_data(data)
-        d_losses, g_losses = self._gan_losses(real, noise, training=False)
-        return self._track_gan(ops.shape(real)[0], d_losses, g_losses)
+    def test_step(self, *state_and_data):
+        """The backend's evaluation step (`gan_tensorflow` or `gan_jax`)
+        around `evaluate_batch`."""
+        return steps.test_fused_gan(self, *state_and_data)
+
+    def evaluate_batch(self, data):
+        """Tracks the losses of one batch in inference mode; returns the
+        logs."""
+        real, noise = self.unpack_data(data)
+        d_losses, g_losses = self.gan_losses_of(real, noise, training=False)
+        return self.track_gan(ops.shape(real)[0], d_losses, g_losses)
 
     def generate(self, noise, training=False):
         """The B generators' images for `noise`, shared `[batch, latent]` or
@@ -239,14 +223,16 @@ class FusedGAN(FusedModel):
                 ops.shape(noise)[0], self.num_models, noise.shape[-1]))
         return self.generator(noise, training=training)
 
-    def _gan_losses(self, real, noise, training):
+    def gan_losses_of(self, real, noise, training):
+        """`(d_losses, g_losses)`, `[B]` each, of one forward pass."""
         fake = self.generator(noise, training=training)
         real_logits = self.discriminator(real, training=training)
         fake_logits = self.discriminator(fake, training=training)
         return self.compute_gan_losses(real_logits, fake_logits)
 
-    def _unpack_data(self, data):
-        """`(real [batch, B, H, W, C], noise [batch, B, latent])`."""
+    def unpack_data(self, data):
+        """`(real [batch, B, H, W, C], noise [batch, B, latent])` of a
+        batch (noise drawn by `sample_noise` where the data give none)."""
         images, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         noise = None
         if isinstance(images, dict):
@@ -280,7 +266,8 @@ class FusedGAN(FusedModel):
                 f"{tuple(noise.shape)}.")
         return ops.cast(images, self.compute_dtype), noise
 
-    def _track_gan(self, batch_size, d_losses, g_losses):
+    def track_gan(self, batch_size, d_losses, g_losses):
+        """Updates the per-model loss trackers; returns the logs."""
         diverged = self._status.diverged > 0
         for tracker, losses in ((self._d_loss_tracker, d_losses),
                                 (self._g_loss_tracker, g_losses)):
@@ -290,6 +277,12 @@ class FusedGAN(FusedModel):
         return self.get_metrics_result()
 
     # -- metrics ------------------------------------------------------------
+
+    @property
+    def metrics_variables(self):
+        # On JAX the generator's optimizer rides in the step's state here
+        # (Keras's state holds one optimizer, the discriminator's).
+        return super().metrics_variables + steps.extra_state_variables(self)
 
     @property
     def metrics(self):
