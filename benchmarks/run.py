@@ -354,18 +354,18 @@ def _median(values):
     return summarize(values)[0]
 
 
-def _stock_jit_settings(args):
-    """The stock `jit_compile` settings the probe compares. On JAX a step
-    without XLA runs op by op in Python, nobody trains so: XLA alone."""
-    if args.stock_jit != "best":
-        return [args.stock_jit == "true"]
+def _best_settings(args):
+    """The `jit_compile` settings `--stock_jit best` and `--fused_jit best`
+    compare. On JAX a step without XLA runs op by op in Python, nobody
+    trains so: XLA alone."""
     return [True] if args.backend == "jax" else [False, True]
 
 
 def probe_model(args, name, base):
     """Measures one stock model with and without XLA: the stock setting,
     the step count of `--steps auto`, FLOPs and the matmul peak."""
-    settings = _stock_jit_settings(args)
+    settings = (_best_settings(args) if args.stock_jit == "best"
+                else [args.stock_jit == "true"])
     print(f"[{name}] probing the stock model (jit_compile "
           f"{', '.join(str(s) for s in settings)})...", flush=True)
     probe_steps = (args.steps if args.steps != "auto"
@@ -420,7 +420,7 @@ def measure_mode(args, mode, num_models, spec):
         return (num_models / rate, cpu_seconds,
                 sum(r["peak_rss_mb"] for r in results), spec["jit_compile"],
                 None)
-    settings = ([False, True] if args.fused_jit == "best"
+    settings = (_best_settings(args) if args.fused_jit == "best"
                 else [spec["fused_jit_compile"]])
     best, timeout, error = None, args.timeout, None
     for jit in settings:

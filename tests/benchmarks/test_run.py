@@ -2,6 +2,7 @@
 and one smoke run of every mode with the tiniest settings (not a timing
 test: it checks that the harness runs and writes a well-formed CSV)."""
 
+import argparse
 import csv
 import dataclasses
 import os
@@ -301,6 +302,8 @@ def test_a_crashed_worker_is_recorded_and_the_run_goes_on(
     assert "| failed |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.backends("tensorflow", reason="on JAX `best` measures XLA "
+                      "alone: there is no other setting to fall back on")
 def test_a_crash_under_one_xla_setting_leaves_the_other(tmp_path,
                                                         monkeypatch):
     fake_workers(monkeypatch, fail=crash("fused", jit=True))
@@ -308,6 +311,12 @@ def test_a_crash_under_one_xla_setting_leaves_the_other(tmp_path,
                       "serial,fused", "--fused_jit", "best"))
     fused = read_table(tmp_path)[1]
     assert (fused["failures"], fused["speedup"]) == ("0", "4.0")
+
+
+def test_best_jit_is_xla_alone_on_jax():
+    assert run._best_settings(argparse.Namespace(backend="jax")) == [True]
+    assert run._best_settings(argparse.Namespace(
+        backend="tensorflow")) == [False, True]
 
 
 def test_a_failed_probe_skips_its_model(tmp_path, monkeypatch):
