@@ -37,3 +37,35 @@ def check_minimums(parser, args, minimums):
         if getattr(args, name) < least:
             parser.error(f"--{name} must be at least {least}; received "
                          f"{getattr(args, name)}")
+
+
+def parse_value(text):
+    """A command-line value: int, float, bool, None, a tuple `(1,2)` or
+    `[1,2]`, else the string itself."""
+    text = text.strip()
+    if text[:1] in "([" and text[-1:] in ")]":
+        return tuple(parse_value(v) for v in text[1:-1].split(";") if v)
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_overrides(text):
+    """`"a=1,b=(2;3)"` -> `{"a": 1, "b": (2, 3)}` (tuples use `;`)."""
+    overrides = {}
+    for item in filter(None, (text or "").split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(
+                f"Overrides are name=value pairs separated by commas "
+                f"(tuples as (a;b)). Received: {item!r} in {text!r}.")
+        overrides[key.strip()] = parse_value(value)
+    return overrides

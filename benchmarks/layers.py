@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from benchmarks import flags  # noqa: E402
-from benchmarks.workloads import parse_overrides  # noqa: E402
+from benchmarks.flags import parse_overrides  # noqa: E402
 from hftatf.layers import resolve  # noqa: E402
 
 # (stock layer class name, config, one model's input shape with its batch):

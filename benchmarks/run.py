@@ -13,6 +13,10 @@ array size B it times three ways of training B models on the same data:
     recipe's optimizer), with the faster `jit_compile` setting, measured
     like the stock one (`--fused_jit auto` takes hftatf's default).
 
+Keras runs on `--backend` (or `KERAS_BACKEND`) in every worker; on JAX
+every step is compiled by XLA, so the probe measures `jit_compile=True`
+alone there.
+
 Every mode does the same global work: `epochs` x `steps` steps of
 `batch_size` samples for each of the B models, after untimed warm-up steps
 (tracing and compilation). Every mode is timed the same way, by the median
@@ -28,6 +32,7 @@ throughput or a speedup, and the run goes on. The run exits with status 1
 when a measurement failed.
 
     python -m benchmarks.run --quick
+    python -m benchmarks.run --backend jax --quick --num_models 8
     python -m benchmarks.run --model mlp,pointnet --num_models 1,2,4,8,16
     python -m benchmarks.run --model all --repeats 3
 
@@ -58,9 +63,9 @@ import tempfile
 import threading
 import time
 
-from benchmarks import flags, worker
-from benchmarks.measure import summarize
-from benchmarks.workloads import parse_overrides
+from benchmarks import backends, flags, protocol
+from benchmarks.flags import parse_overrides
+from benchmarks.protocol import summarize
 
 MODES = ("serial", "concurrent", "fused")
 # What `benchmark_model` records for a measurement that did not finish.
@@ -162,6 +167,7 @@ def parse_args(argv):
                              "<output_dir>/results.csv and redraw its "
                              "results.md and plots (e.g. after installing "
                              "matplotlib)")
+    backends.add_flag(parser)
     parser.add_argument("--quick", action="store_true",
                         help="a small run: the defaults become "
                              + ", ".join(f"--{k} {v}"
@@ -174,6 +180,11 @@ def parse_args(argv):
         parser.set_defaults(**QUICK_DEFAULTS)
         args = parser.parse_args(argv)
     flags.check_minimums(parser, args, MINIMUMS)
+    try:
+        # Before the zoo (and so Keras) is imported to check --model.
+        args.backend = backends.apply(args.backend)
+    except ValueError as error:
+        parser.error(str(error))
     for name in ("epoch_seconds", "timeout"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name} must be a positive number of seconds; "
@@ -256,8 +267,8 @@ class WorkerError(RuntimeError):
 
 def _parse_result(stdout, stderr, spec):
     for line in reversed(stdout.splitlines()):
-        if line.startswith(worker.RESULT_PREFIX):
-            return json.loads(line[len(worker.RESULT_PREFIX):])
+        if line.startswith(protocol.RESULT_PREFIX):
+            return json.loads(line[len(protocol.RESULT_PREFIX):])
     raise WorkerError(
         f"Benchmark worker {spec['task']} for {spec['model']} (B="
         f"{spec.get('num_models')}) failed:\n{stderr[-4000:]}")
@@ -295,7 +306,7 @@ def run_concurrent(spec, num_models, timeout):
         alarm.start()
         for process, log in zip(processes, logs):
             line = process.stdout.readline()
-            while line and line.strip() != worker.READY:
+            while line and line.strip() != protocol.READY:
                 line = process.stdout.readline()
             if expired.is_set():
                 raise subprocess.TimeoutExpired(_command(spec), timeout)
@@ -343,15 +354,22 @@ def _median(values):
     return summarize(values)[0]
 
 
+def _best_settings(args):
+    """The `jit_compile` settings `--stock_jit best` and `--fused_jit best`
+    compare. On JAX a step without XLA runs op by op in Python, nobody
+    trains so: XLA alone."""
+    return [True] if args.backend == "jax" else [False, True]
+
+
 def probe_model(args, name, base):
     """Measures one stock model with and without XLA: the stock setting,
     the step count of `--steps auto`, FLOPs and the matmul peak."""
-    print(f"[{name}] probing the stock model (jit_compile off and on)...",
-          flush=True)
+    settings = (_best_settings(args) if args.stock_jit == "best"
+                else [args.stock_jit == "true"])
+    print(f"[{name}] probing the stock model (jit_compile "
+          f"{', '.join(str(s) for s in settings)})...", flush=True)
     probe_steps = (args.steps if args.steps != "auto"
                    else _whole(10, args.execution))
-    settings = ([False, True] if args.stock_jit == "best"
-                else [args.stock_jit == "true"])
     result = run_worker({**base, "task": "probe", "steps": probe_steps,
                          "jit_settings": settings,
                          "peak_size": args.peak_size,
@@ -402,7 +420,7 @@ def measure_mode(args, mode, num_models, spec):
         return (num_models / rate, cpu_seconds,
                 sum(r["peak_rss_mb"] for r in results), spec["jit_compile"],
                 None)
-    settings = ([False, True] if args.fused_jit == "best"
+    settings = (_best_settings(args) if args.fused_jit == "best"
                 else [spec["fused_jit_compile"]])
     best, timeout, error = None, args.timeout, None
     for jit in settings:
@@ -720,8 +738,8 @@ def main(argv=None):
     directory = pathlib.Path(args.output_dir)
     print(f"{platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}",
-          flush=True)
+          f"{os.getloadavg()[0]:.1f}; python {platform.python_version()}; "
+          f"Keras on {args.backend}", flush=True)
     if args.report_only:
         rows = read_csv(directory / "results.csv")
         if not rows:

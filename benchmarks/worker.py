@@ -31,13 +31,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 from benchmarks import measure  # noqa: E402
+from benchmarks.protocol import READY, RESULT_PREFIX  # noqa: E402
 from benchmarks.workloads import Workload  # noqa: E402
-
-RESULT_PREFIX = "RESULT "
-READY = "READY"
 
 
 def workload(spec):
@@ -139,8 +136,7 @@ def main(argv=None):
     if len(argv) != 1:
         raise SystemExit("usage: python -m benchmarks.worker SPEC_JSON")
     spec = json.loads(argv[0])
-    # Every stock model gets its own tf.function: no retracing notes.
-    tf.get_logger().setLevel("ERROR")
+    measure.quiet()
     result = TASKS[spec["task"]](spec)
     result["peak_rss_mb"] = measure.peak_rss_mb()
     print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -18,10 +18,11 @@ import inspect
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import hftatf
+from benchmarks.flags import parse_overrides, parse_value  # noqa: F401
 from hftatf.models import dcgan, recipes
+from hftatf.models.batches import uses_tf_data
 
 # Array class name -> stock twin trained by `fit` as the array trains each
 # of its models.
@@ -32,38 +33,6 @@ def stock_optimizer(name, learning_rate):
     """A fresh stock Keras optimizer `name` at `learning_rate`."""
     cls = type(keras.optimizers.get(name))
     return cls(learning_rate=learning_rate)
-
-
-def parse_value(text):
-    """A command-line value: int, float, bool, None, a tuple `(1,2)` or
-    `[1,2]`, else the string itself."""
-    text = text.strip()
-    if text[:1] in "([" and text[-1:] in ")]":
-        return tuple(parse_value(v) for v in text[1:-1].split(";") if v)
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_overrides(text):
-    """`"a=1,b=(2;3)"` -> `{"a": 1, "b": (2, 3)}` (tuples use `;`)."""
-    overrides = {}
-    for item in filter(None, (text or "").split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(
-                f"Overrides are name=value pairs separated by commas "
-                f"(tuples as (a;b)). Received: {item!r} in {text!r}.")
-        overrides[key.strip()] = parse_value(value)
-    return overrides
 
 
 @dataclasses.dataclass
@@ -163,7 +132,7 @@ class Workload:
         kept = []
         while len(kept) < count:
             before = len(kept)
-            for batch in train.as_numpy_iterator():
+            for batch in _numpy_batches(train):
                 if len(keras.tree.flatten(batch)[0]) == self.batch_size:
                     kept.append(batch)
                 if len(kept) == count:
@@ -179,5 +148,38 @@ class Workload:
         """The same `count` batches again and again, from memory: no input
         pipeline cost in the timings, and every mode sees the same data."""
         stacked = self.batches(count, seed)
-        return tf.data.Dataset.from_tensor_slices(stacked).repeat().prefetch(
-            tf.data.AUTOTUNE)
+        if uses_tf_data():
+            import tensorflow as tf
+
+            return tf.data.Dataset.from_tensor_slices(stacked).repeat(
+            ).prefetch(tf.data.AUTOTUNE)
+        return CycledBatches(stacked)
+
+
+class CycledBatches(keras.utils.PyDataset):
+    """Stacked batches (a leading axis of batches on every leaf) served
+    again and again, without end: `fit` takes `steps_per_epoch` of them."""
+
+    def __init__(self, stacked):
+        super().__init__()
+        self.stacked = stacked
+        self.count = len(keras.tree.flatten(stacked)[0])
+
+    @property
+    def num_batches(self):
+        return None
+
+    def __getitem__(self, index):
+        return keras.tree.map_structure(
+            lambda leaf: leaf[index % self.count], self.stacked)
+
+
+def _numpy_batches(data):
+    """One pass over a recipe's batches (`tf.data` or a PyDataset), each
+    batch as NumPy arrays."""
+    if hasattr(data, "as_numpy_iterator"):
+        yield from data.as_numpy_iterator()
+        return
+    for batch in data:
+        yield keras.tree.map_structure(np.asarray, batch)
+    data.on_epoch_end()

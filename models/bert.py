@@ -13,7 +13,7 @@ inside the graph; padded positions' outputs are computed but mean nothing.
 
 import keras
 
-from hftatf.models import recipes, text
+from hftatf.models import masked_lm, recipes
 from hftatf.models.transformer import (
     ReversibleEmbedding,
     apply_padding_mask,
@@ -116,7 +116,7 @@ def build(vocabulary_size, size="tiny", num_layers=None, hidden_dim=None,
     Inputs: `{"token_ids": [batch, T], "segment_ids": [batch, T]}` int
     (token id 0 is padding; T <= `max_length`).
     Output: logits `[batch, T, vocabulary_size]` at every position; train
-    with `hftatf.models.text.masked_lm_loss()`, which counts only the
+    with `hftatf.models.masked_lm.masked_lm_loss()`, which counts only the
     masked positions.
 
     The head is BERT's: `Dense(hidden_dim, gelu)`, LayerNormalization and
@@ -172,8 +172,8 @@ def _register_recipe(size, learning_rate, epochs):
     recipes.register(recipes.Recipe(
         name=f"bert_{size}",
         build=build,
-        data=text.masked_lm_data,
-        loss=text.masked_lm_loss(),
+        data=masked_lm.masked_lm_data,
+        loss=masked_lm.masked_lm_loss(),
         metrics=(),
         optimizer="adam",
         learning_rate=learning_rate,

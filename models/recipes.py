@@ -14,6 +14,11 @@ from typing import Any
 
 _RECIPES = {}
 
+# The modules of the package that hold no model (data and recipe helpers).
+_NOT_MODELS = ("recipes", "data", "batches", "clouds", "records", "text",
+               "gan_jax", "gan_tensorflow",
+               "masked_lm")
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -23,8 +28,10 @@ class Recipe:
         name: the name the launcher's `--model` flag takes.
         build: `build(**model_args)` -> a plain (unfused) `keras.Model`.
         data: `data(batch_size, seed=0, **data_args)` -> `(train, val)`, two
-            `tf.data.Dataset`s of `(x, y)` batches (y may be None for
-            unsupervised models), built without any download.
+            sets of `(x, y)` batches (y may be None for unsupervised
+            models), built without any download: `tf.data.Dataset`s on the
+            TensorFlow backend, `keras.utils.PyDataset`s elsewhere
+            (`hftatf.models.batches`).
         loss: the Keras loss (name or object) to compile with.
         metrics: the Keras metrics to compile with.
         optimizer: the default `hftatf.optimizers` name.
@@ -81,5 +88,5 @@ def names():
 def _load_zoo():
     # Importing a zoo module registers its recipes (and its Keras objects).
     for module in pkgutil.iter_modules([str(pathlib.Path(__file__).parent)]):
-        if module.name not in ("recipes", "data"):
+        if module.name not in _NOT_MODELS:
             importlib.import_module(f"{__package__}.{module.name}")

@@ -5,6 +5,8 @@ every CPython: `pydoc_data.topics.topics`, 79 topics (the language
 reference's chapters on statements, operators, types, ...), about 465,000
 characters. Users' own text comes in through `load_texts` (strings, text
 files, directories, glob patterns or a `tf.data.Dataset` of strings).
+Batches are `tf.data` pipelines on the TensorFlow backend and
+`keras.utils.PyDataset`s of NumPy arrays elsewhere (`batches`).
 
 The text is split into documents (topics, files, dataset elements), the
 documents into a training and a validation set (whole documents, so no
@@ -14,7 +16,7 @@ whose vocabulary is built from the training documents only. From there:
 * `language_model_data`: `(token_ids, next_token_ids)` windows for a
   decoder-only language model, with `unigram_perplexity` as the baseline
   a model must beat;
-* `masked_lm_data`: BERT-style masked-language-model batches,
+* `masked_lm.masked_lm_data`: BERT-style masked-language-model batches,
   `({"token_ids", "segment_ids"}, labels)` with labels -1 where no token is
   predicted (train with `masked_lm_loss()`, which ignores them).
 """
@@ -28,9 +30,9 @@ import os
 import pathlib
 import re
 
-import keras
 import numpy as np
-import tensorflow as tf
+
+from hftatf.models.batches import batched
 
 PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 # Ids 0..4, in this order: padding is 0, as `Embedding(mask_zero=True)` and
@@ -169,7 +171,7 @@ def load_texts(source=None):
     """
     if source is None:
         texts = reference_texts()
-    elif isinstance(source, tf.data.Dataset):
+    elif _is_tf_dataset(source):
         texts = _dataset_texts(source)
     elif isinstance(source, (str, os.PathLike)):
         texts = [_read(path) for path in _expand_path(source)]
@@ -190,6 +192,13 @@ def load_texts(source=None):
     if not texts:
         raise ValueError(f"No text found in source={source!r}.")
     return texts
+
+
+def _is_tf_dataset(source):
+    # Recognised without importing TensorFlow, which a tf.data.Dataset
+    # brings with it.
+    return any(cls.__module__.startswith("tensorflow") and cls.__name__ == (
+        "DatasetV2") for cls in type(source).__mro__)
 
 
 def _dataset_texts(dataset):
@@ -321,7 +330,7 @@ def language_model_windows(documents, sequence_length):
     overlap by one (each window's last target is the next one's first
     input). The tail that does not fill a window is dropped.
     """
-    _check_positive("sequence_length", sequence_length)
+    check_positive("sequence_length", sequence_length)
     stream = np.concatenate([np.append(d, SEP_ID) for d in documents]).astype(
         "int32")
     count = (len(stream) - 1) // sequence_length
@@ -370,13 +379,13 @@ def language_model_data(batch_size, seed=0, sequence_length=64,
             documentation).
         shuffle: whether training windows are reshuffled every epoch.
     """
-    _check_positive("batch_size", batch_size)
+    check_positive("batch_size", batch_size)
     text = corpus(source, vocabulary_size, validation_fraction, seed)
     train = language_model_windows(text.train, sequence_length)
     validation = language_model_windows(text.validation, sequence_length)
-    return (_batched(train, batch_size, seed, shuffle, drop_remainder=True),
-            _batched(validation, batch_size, seed, False,
-                     drop_remainder=False))
+    return (batched(train, batch_size, seed if shuffle else None,
+                    drop_remainder=True),
+            batched(validation, batch_size))
 
 
 def language_model_baseline(seed=0, sequence_length=64, vocabulary_size=2000,
@@ -390,162 +399,7 @@ def language_model_baseline(seed=0, sequence_length=64, vocabulary_size=2000,
                               text.vocabulary_size)
 
 
-def _batched(arrays, batch_size, seed, shuffle, drop_remainder):
-    dataset = tf.data.Dataset.from_tensor_slices(arrays)
-    if shuffle:
-        dataset = dataset.shuffle(len(arrays[0]), seed=seed,
-                                  reshuffle_each_iteration=True)
-    return dataset.batch(batch_size, drop_remainder=drop_remainder).prefetch(
-        tf.data.AUTOTUNE)
-
-
-# -- masked-language-model examples -----------------------------------------
-
-
-def masked_lm_examples(documents, sequence_length):
-    """Sentence-pair examples as BERT is pre-trained on, before masking.
-
-    Each document is cut into consecutive pieces of `sequence_length - 3`
-    tokens; a piece becomes `[CLS] A [SEP] B [SEP]`, A and B its two halves,
-    padded with 0 to `sequence_length`. Segment ids are 0 over `[CLS] A
-    [SEP]` and 1 over `B [SEP]` (0 over padding).
-
-    Returns:
-        `(token_ids, segment_ids)`, `[n, sequence_length]` int32 each.
-    """
-    _check_positive("sequence_length", sequence_length)
-    if sequence_length < 5:
-        raise ValueError(
-            "`sequence_length` must be at least 5 ([CLS] A [SEP] B [SEP] "
-            f"with A, B not empty). Received: {sequence_length}.")
-    piece = sequence_length - 3
-    token_rows, segment_rows = [], []
-    for document in documents:
-        for start in range(0, len(document), piece):
-            chunk = document[start:start + piece]
-            if len(chunk) < 2:
-                continue
-            half = (len(chunk) + 1) // 2
-            first, second = chunk[:half], chunk[half:]
-            tokens = np.concatenate(
-                [[CLS_ID], first, [SEP_ID], second, [SEP_ID]])
-            segments = np.concatenate([np.zeros(len(first) + 2),
-                                       np.ones(len(second) + 1)])
-            token_rows.append(_pad(tokens, sequence_length))
-            segment_rows.append(_pad(segments, sequence_length))
-    if not token_rows:
-        raise ValueError("The documents hold no example of at least 2 tokens.")
-    return (np.stack(token_rows).astype("int32"),
-            np.stack(segment_rows).astype("int32"))
-
-
-def _pad(values, length):
-    return np.pad(values, (0, length - len(values)))
-
-
-def mask_tokens(token_ids, seed, vocabulary_size, mask_rate=0.15):
-    """BERT's masking of `token_ids` (int, any shape), drawn from `seed`.
-
-    Each token other than `[PAD]`, `[CLS]`, `[SEP]` and `[MASK]` is chosen
-    with probability `mask_rate`. A chosen token is replaced by `[MASK]`
-    (80%), by a random regular token (10%) or kept (10%); its label is its
-    original id. Every other position is labelled `IGNORED_LABEL` (-1).
-
-    Args:
-        token_ids: int ids.
-        seed: two integers (`tf.random` stateless seed); the same seed
-            gives the same masking.
-        vocabulary_size: the size of the vocabulary random tokens come from
-            (ids `5 .. vocabulary_size - 1`).
-        mask_rate: the probability of a token being chosen.
-
-    Returns:
-        `(masked_ids, labels)`, int32 tensors of `token_ids`' shape.
-    """
-    if not 0.0 < mask_rate < 1.0:
-        raise ValueError(
-            f"`mask_rate` must be in (0, 1). Received: mask_rate={mask_rate}.")
-    token_ids = tf.cast(token_ids, "int32")
-    shape = tf.shape(token_ids)
-    choose, action, replace = tf.unstack(
-        tf.random.experimental.stateless_split(
-            tf.cast(seed, "int64"), num=3))
-    maskable = tf.logical_not(tf.reduce_any(tf.equal(
-        token_ids[..., None], [PAD_ID, CLS_ID, SEP_ID, MASK_ID]), axis=-1))
-    chosen = maskable & (tf.random.stateless_uniform(shape, choose)
-                         < mask_rate)
-    draw = tf.random.stateless_uniform(shape, action)
-    random_ids = tf.random.stateless_uniform(
-        shape, replace, minval=len(SPECIAL_TOKENS), maxval=vocabulary_size,
-        dtype="int32")
-    masked = tf.where(chosen & (draw < 0.8), MASK_ID, tf.where(
-        chosen & (draw < 0.9), random_ids, token_ids))
-    labels = tf.where(chosen, token_ids, IGNORED_LABEL)
-    return masked, labels
-
-
-def masked_lm_loss():
-    """The masked-language-model loss: cross-entropy of the logits at the
-    labelled positions, averaged over them (labels -1 are ignored)."""
-    return keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, ignore_class=IGNORED_LABEL)
-
-
-def masked_lm_data(batch_size, seed=0, sequence_length=64,
-                   vocabulary_size=2000, validation_fraction=0.1,
-                   mask_rate=0.15, source=None, shuffle=True):
-    """The masked-language-model data recipe: `(train, validation)`.
-
-    Each element is a batch `({"token_ids", "segment_ids"}, labels)`, all
-    `[batch, sequence_length]` int32: the examples of `masked_lm_examples`
-    masked by `mask_tokens`. Training batches are masked anew every epoch
-    (a deterministic sequence of masks for a given seed and TensorFlow
-    global seed, which `keras.utils.set_random_seed` sets); validation
-    batches are masked the same way every time, from `seed` alone, so
-    validation losses are comparable across epochs, runs and processes.
-    Train with `masked_lm_loss()`.
-
-    Args:
-        batch_size: examples per batch (training drops the last partial
-            batch).
-        seed: seeds the document split, the shuffling and the masking.
-        sequence_length: tokens per example, `[CLS]` and `[SEP]`s included.
-        vocabulary_size, validation_fraction: as for `corpus`.
-        mask_rate: the share of tokens to predict.
-        source: the text, as for `load_texts`.
-        shuffle: whether training examples are reshuffled every epoch.
-    """
-    _check_positive("batch_size", batch_size)
-    text = corpus(source, vocabulary_size, validation_fraction, seed)
-    size = text.vocabulary_size
-
-    def masked(examples, train):
-        dataset = _batched(examples, batch_size, seed, shuffle and train,
-                           drop_remainder=train)
-        if train:
-            seeds = tf.data.Dataset.random(
-                seed=seed, rerandomize_each_iteration=True).batch(2)
-        else:
-            # Batch i's masks from (seed, i) alone: the same in every
-            # process, whatever TensorFlow's global seed.
-            seeds = tf.data.Dataset.counter().map(
-                lambda index: tf.stack([tf.cast(seed, "int64"), index]))
-
-        def apply(batch, pair_seed):
-            tokens, segments = batch
-            masked_ids, labels = mask_tokens(tokens, pair_seed, size,
-                                             mask_rate)
-            return {"token_ids": masked_ids, "segment_ids": segments}, labels
-
-        return tf.data.Dataset.zip((dataset, seeds)).map(
-            apply, num_parallel_calls=tf.data.AUTOTUNE)
-
-    return (masked(masked_lm_examples(text.train, sequence_length), True),
-            masked(masked_lm_examples(text.validation, sequence_length),
-                   False))
-
-
-def _check_positive(name, value):
+def check_positive(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
             value < 1):
         raise ValueError(

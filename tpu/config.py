@@ -22,18 +22,29 @@ values of the optimizer's float hyper-parameters, from one of:
 * nothing: 4 models, with the recipe's learning rate times 3, 1, 0.3 and 0.1.
 """
 
-import ast
 import dataclasses
 import inspect
 import itertools
 import json
-import math
-import numbers
 import pathlib
-import re
 
 from hftatf import optimizers
 from hftatf.models import recipes
+from hftatf.tpu.config_text import (  # noqa: F401
+    MAPPINGS,
+    ConfigError,
+    check_positive,
+    describe,
+    is_number,
+    normalize,
+    not_int,
+    parse_grid,
+    parse_mapping,
+    parse_value,
+    plain,
+    read_file,
+    round_value,
+)
 
 # Multipliers of a recipe's learning rate that an array gets when no
 # hyper-parameter is given: a half-decade sweep around it.
@@ -59,16 +70,8 @@ BASE_OPTIMIZER_ARGS = ("weight_decay", "clipnorm", "clipvalue",
                        "ema_overwrite_frequency", "loss_scale_factor",
                        "gradient_accumulation_steps")
 
-# Fields whose values are mappings; overrides merge into them key by key.
-MAPPINGS = ("model_args", "data_args", "optimizer_args", "schedule_args",
-            "grid")
-
 CONFIG_YAML = "config.yaml"
 CONFIG_JSON = "config.json"
-
-
-class ConfigError(ValueError):
-    """An invalid launcher configuration, found before any work starts."""
 
 
 @dataclasses.dataclass
@@ -168,7 +171,7 @@ class Config:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            setattr(self, field.name, _normalize(
+            setattr(self, field.name, normalize(
                 field.name, getattr(self, field.name), "Config"))
 
     # -- building -----------------------------------------------------------
@@ -201,7 +204,7 @@ class Config:
                         f"{source} sets {key!r}, but {name!r} is not a "
                         f"mapping; set it as {name}=VALUE.")
                 value = {item: value}
-            value = _normalize(name, value, source)
+            value = normalize(name, value, source)
             if name in MAPPINGS and value:
                 current[name] = {**current[name], **value}
             else:
@@ -210,7 +213,7 @@ class Config:
 
     def to_dict(self):
         """The config as plain JSON/YAML-ready values."""
-        return _plain(dataclasses.asdict(self))
+        return plain(dataclasses.asdict(self))
 
     # -- validation ---------------------------------------------------------
 
@@ -238,12 +241,12 @@ class Config:
                 check_directory(f"--{name}", value)
         recipe = self.recipe()
         for name in ("batch_size", "steps_per_execution"):
-            _check_positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         for name in ("epochs", "train_steps", "num_models"):
             if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+                check_positive(name, getattr(self, name))
         if self.eval_steps is not None and (
-                _not_int(self.eval_steps) or self.eval_steps < 0):
+                not_int(self.eval_steps) or self.eval_steps < 0):
             raise ConfigError(
                 "--eval_steps must be an integer >= 0 (0: no validation). "
                 f"Received: {self.eval_steps!r}.")
@@ -252,12 +255,12 @@ class Config:
                 "--verbose must be 0 (silent), 1 (progress bar), 2 (one "
                 "line per epoch) or 3 (progress bar and TensorFlow's "
                 f"start-up logging). Received: {self.verbose!r}.")
-        if _not_int(self.table_every) or self.table_every < 0:
+        if not_int(self.table_every) or self.table_every < 0:
             raise ConfigError(
                 "--table_every must be an integer >= 0 (epochs between "
                 "per-model tables; 0: only at the end). Received: "
                 f"{self.table_every!r}.")
-        if _not_int(self.seed) or not 0 <= self.seed < 2**32:
+        if not_int(self.seed) or not 0 <= self.seed < 2**32:
             raise ConfigError(
                 "--seed must be an integer from 0 to 2**32 - 1 (numpy's "
                 f"seeds). Received: {self.seed!r}.")
@@ -292,7 +295,7 @@ class Config:
                     raise ConfigError(
                         "--schedule_args staircase must be true or false. "
                         f"Received: {value!r}.")
-            elif not _is_number(value) or value < 0:
+            elif not is_number(value) or value < 0:
                 raise ConfigError(
                     f"--schedule_args {key} must be a number >= 0. "
                     f"Received: {value!r}.")
@@ -364,7 +367,7 @@ class Config:
                     f"{cls.__name__} are {', '.join(per_model_names)}.")
         if self.grid:
             if lists:
-                described = ", ".join(_describe(k, v)
+                described = ", ".join(describe(k, v)
                                       for k, v in lists.items())
                 raise ConfigError(
                     f"--grid and per-model lists ({described}) cannot both "
@@ -391,7 +394,7 @@ class Config:
                     "single value to share).")
             per_model = dict(lists)
             name, length = next(iter(lengths.items()))
-            source = f"{_describe(name, lists[name])} gives {length} models"
+            source = f"{describe(name, lists[name])} gives {length} models"
         else:
             per_model = {}
             source = None
@@ -408,14 +411,14 @@ class Config:
             num_models = len(DEFAULT_SWEEP)
             if rates is None:
                 per_model = {"learning_rate": [
-                    _round(recipe.learning_rate * factor)
+                    round_value(recipe.learning_rate * factor)
                     for factor in DEFAULT_SWEEP]}
         if "learning_rate" not in per_model:
             shared["learning_rate"] = (rates[0] if rates
                                        else recipe.learning_rate)
         for name, values in per_model.items():
             for value in values:
-                if not _is_number(value):
+                if not is_number(value):
                     raise ConfigError(
                         f"Per-model values of {name!r} must be numbers. "
                         f"Received: {values!r}.")
@@ -501,299 +504,6 @@ def check_directory(flag, value):
 def field_names():
     """The names of the configuration's fields, in order."""
     return [field.name for field in dataclasses.fields(Config)]
-
-
-def read_file(path):
-    """The mapping in a YAML (`.yaml`/`.yml`, needs PyYAML) or JSON file."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise ConfigError(
-            f"--config_file {str(path)!r} does not exist or is not a file.")
-    text = path.read_text()
-    if path.suffix == ".json":
-        try:
-            values = json.loads(text)
-        except ValueError as error:
-            raise ConfigError(
-                f"--config_file {str(path)!r} is not valid JSON: {error}"
-            ) from None
-    else:
-        try:
-            import yaml
-        except ImportError:
-            raise ConfigError(
-                f"Reading the YAML file {str(path)!r} needs PyYAML: pip "
-                "install pyyaml (or give the config as a .json file)."
-            ) from None
-        try:
-            values = yaml.safe_load(text)
-        except yaml.YAMLError as error:
-            raise ConfigError(
-                f"--config_file {str(path)!r} is not valid YAML: {error}"
-            ) from None
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise ConfigError(
-            f"--config_file {str(path)!r} must hold a mapping of "
-            f"configuration names to values. Received: {values!r}.")
-    return values
-
-
-# -- parsing ----------------------------------------------------------------
-
-
-def parse_value(text):
-    """A flag's value text as a Python value: a number, a bool, None, a list
-    or a dict (JSON or Python literal syntax), a list of such values or
-    bare words (`[train,validation]`), else the text itself."""
-    if not isinstance(text, str):
-        return text
-    text = text.strip()
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null", "~"):
-        return None
-    for parse in (json.loads, ast.literal_eval):
-        try:
-            return parse(text)
-        except (ValueError, SyntaxError, TypeError, MemoryError,
-                RecursionError):
-            pass
-    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
-        return text[1:-1]
-    if text.startswith("[") and text.endswith("]"):
-        return [parse_value(item) for item in _split(text[1:-1], ",")]
-    return text
-
-
-def parse_mapping(text, flag, separator=","):
-    """`"a=1,b=[2,3],c.d=x"` (or a YAML/JSON mapping) -> a dict.
-
-    A bare value continues the previous key's value as a list:
-    `"learning_rate=0.1,0.01,epochs=3"` gives `learning_rate: [0.1, 0.01]`.
-    """
-    if text is None:
-        return {}
-    if isinstance(text, dict):
-        return dict(text)
-    text = str(text).strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        value = _parse_structured(text)
-        if not isinstance(value, dict):
-            raise ConfigError(
-                f"--{flag} is not a valid mapping. Received: {text!r}.")
-        return value
-    values = {}
-    key = None
-    continued = set()
-    for token in _split(text, separator):
-        name, equals, value = token.partition("=")
-        if equals and re.fullmatch(r"[A-Za-z_][\w.]*", name.strip()):
-            key = name.strip()
-            values[key] = parse_value(value)
-            continued.discard(key)
-        elif key is None:
-            raise ConfigError(
-                f"--{flag} must be a list of name=value pairs (or a YAML "
-                f"mapping). Received: {text!r}.")
-        else:
-            if key not in continued:
-                values[key] = [values[key]]
-                continued.add(key)
-            values[key].append(parse_value(token))
-    return values
-
-
-def parse_grid(text):
-    """`"learning_rate=1e-3,1e-4;weight_decay=0,1e-4"` (or a mapping) ->
-    `{"learning_rate": [1e-3, 1e-4], "weight_decay": [0, 1e-4]}`."""
-    if text is None:
-        return {}
-    if isinstance(text, dict):
-        items = dict(text)
-    else:
-        text = str(text).strip()
-        if not text:
-            return {}
-        if text.startswith("{"):
-            items = _parse_structured(text)
-            if not isinstance(items, dict):
-                raise ConfigError(f"--grid is not a mapping: {text!r}.")
-        else:
-            items = {}
-            for part in _split(text, ";"):
-                name, equals, values = part.partition("=")
-                if not equals or not name.strip():
-                    raise ConfigError(
-                        "--grid must be NAME=V1,V2,...;NAME=V1,... (e.g. "
-                        "\"learning_rate=1e-3,1e-4;weight_decay=0,1e-4\"). "
-                        f"Received: {text!r}.")
-                items[name.strip()] = [parse_value(v)
-                                       for v in _split(values, ",")]
-    grid = {}
-    for name, values in items.items():
-        values = list(values) if isinstance(values, (list, tuple)) else [
-            values]
-        if not values:
-            raise ConfigError(f"--grid {name!r} has no values.")
-        grid[str(name)] = [_number(v, f"--grid {name}") for v in values]
-    return grid
-
-
-def _parse_structured(text):
-    try:
-        import yaml
-    except ImportError:
-        return parse_value(text)
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"Cannot read {text!r}: {error}") from None
-
-
-def _split(text, separator):
-    """Splits on `separator` outside brackets and quotes."""
-    parts, depth, quote, current = [], 0, None, []
-    for char in text:
-        if quote:
-            if char == quote:
-                quote = None
-        elif char in "'\"":
-            quote = char
-        elif char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        elif char == separator and depth == 0:
-            parts.append("".join(current).strip())
-            current = []
-            continue
-        current.append(char)
-    parts.append("".join(current).strip())
-    return [part for part in parts if part]
-
-
-# -- normalisation ----------------------------------------------------------
-
-
-def _normalize(name, value, source):
-    """`value` for field `name` in its canonical type (flags give strings,
-    YAML numbers or strings)."""
-    if name == "learning_rate":
-        if value is None:
-            return None
-        if isinstance(value, str):
-            value = _split(value, ",") if "," in value else [value]
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        if not value:
-            raise ConfigError(
-                f"learning_rate in {source} needs at least one value.")
-        return [_number(v, "--learning_rate") for v in value]
-    if name == "grid":
-        return parse_grid(value)
-    if name in MAPPINGS:
-        mapping = parse_mapping(value, name)
-        mapping = {str(k): _plain(v) for k, v in mapping.items()}
-        if name == "schedule_args" and "staircase" in mapping:
-            # A YAML string "false" is no True (`validate` refuses what is
-            # neither a bool nor true/false).
-            mapping["staircase"] = _boolean(mapping["staircase"])
-        return mapping
-    if name == "jit_compile":
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-        if value not in ("auto", True, False):
-            raise ConfigError(
-                f"jit_compile must be auto, true or false. Received: "
-                f"{value!r} in {source}.")
-        return value
-    if name == "deterministic":
-        return _boolean(value)
-    if name in ("batch_size", "epochs", "train_steps", "eval_steps",
-                "steps_per_execution", "num_models", "seed", "verbose",
-                "table_every"):
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                raise ConfigError(
-                    f"--{name} must be an integer. Received: {value!r} in "
-                    f"{source}.") from None
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        return value
-    if name in ("tpu", "zone", "project", "dataset", "validation_dataset",
-                "data_dir", "optimizer") and value == "":
-        return None
-    return value
-
-
-def _boolean(value):
-    """`value`, with the strings true and false (any case) as bools."""
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    return value
-
-
-def _plain(value):
-    """Tuples as lists, recursively (YAML and JSON write lists)."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _number(value, what):
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(
-                f"{what} must be a number or a comma list of numbers. "
-                f"Received: {value!r}.") from None
-    if not _is_number(value) or not math.isfinite(value):
-        raise ConfigError(
-            f"{what} must be a number or a comma list of numbers. "
-            f"Received: {value!r}.")
-    return value
-
-
-def _is_number(value):
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _not_int(value):
-    return not isinstance(value, numbers.Integral) or isinstance(value, bool)
-
-
-def _check_positive(name, value):
-    if _not_int(value) or value < 1:
-        raise ConfigError(
-            f"--{name} must be a positive integer. Received: {value!r}.")
-
-
-def _round(value):
-    """`value` to 6 significant digits (0.1 * 0.3 is 0.03, not
-    0.030000000000000002)."""
-    return float(f"{value:.6g}")
-
-
-def _describe(name, values):
-    flag = "--learning_rate" if name == "learning_rate" else (
-        f"--optimizer_args {name}")
-    return f"{flag}={','.join(_number_text(v) for v in values)}"
-
-
-def _number_text(value):
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return f"{value:g}"
-    return str(value)
 
 
 def _hyperparameter_names(cls):

@@ -28,6 +28,13 @@ import hftatf
 from hftatf import backup, distribute, report
 from hftatf import callbacks as fused_callbacks
 from hftatf.tpu import data, page, plots, results
+from hftatf.tpu.backend import BACKENDS, check_backend, relaunch_for_backend
+from hftatf.tpu.builders import (  # noqa: F401
+    build_model,
+    check_examples_fit,
+    make_learning_rate,
+    make_optimizer,
+)
 from hftatf.tpu.config import (
     PRECISIONS,
     SCHEDULES,
@@ -83,10 +90,19 @@ def define_flags(flag_values=FLAGS):
 
     # Where to run.
     define.DEFINE_enum(
+        "backend", None, BACKENDS,
+        "The Keras backend: tensorflow or jax (default: $KERAS_BACKEND, "
+        "else tensorflow). hftatf-train applies it before Keras starts, "
+        "by starting itself again with KERAS_BACKEND set.")
+    define.DEFINE_enum(
         "strategy", "auto", STRATEGIES,
-        "tpu: a TPUStrategy on --tpu; mirrored: every local GPU (or the "
-        "CPU); cpu: one CPU device; auto: a TPU where there is one, else "
-        "the GPUs, else the CPU.")
+        "On tensorflow: tpu, a TPUStrategy on --tpu; mirrored, every local "
+        "GPU (or the CPU); cpu, one CPU device; auto, a TPU where there is "
+        "one, else the GPUs, else the CPU. On jax: keras.distribution "
+        "instead of tf.distribute: mirrored and auto, DataParallel over "
+        "every device JAX sees (a TPU VM's chips, the GPUs, else the CPU); "
+        "tpu, the same after keras.distribution.initialize() on every host "
+        "of a pod slice; cpu, one CPU device.")
     string("tpu", "The TPU: its name, a grpc://host:port address, or 'local' "
            "on a TPU VM.")
     string("zone", "The zone of a TPU given by name (Cloud TPU).")
@@ -323,7 +339,7 @@ def _prepare(config):
         # A builder that refuses its arguments, or a model that does not
         # take the data's examples.
         stock = build_model(recipe, config)
-        _check_examples_fit(stock, inputs.element_spec, recipe)
+        check_examples_fit(stock, inputs.element_spec, recipe)
     return _Plan(config=config, recipe=recipe, num_models=num_models,
                  per_model=per_model, shared=shared, source=source,
                  model_dir=model_dir, initial_epoch=initial_epoch,
@@ -510,91 +526,6 @@ def _check_resumed_config(config, model_dir, initial_epoch):
         return
 
 
-def build_model(recipe, config):
-    """The recipe's stock model with `config.model_args` over its own."""
-    args = dict(recipe.model_args)
-    for key, value in config.model_args.items():
-        default = args.get(key)
-        # YAML and flags give lists where the builders' defaults are tuples.
-        args[key] = tuple(value) if isinstance(default, tuple) and (
-            isinstance(value, list)) else value
-    try:
-        return recipe.build(**args)
-    except (TypeError, ValueError) as error:
-        raise ConfigError(
-            f"--model_args {config.model_args}: model {recipe.name!r} "
-            f"refused them: {error}") from None
-
-
-def _check_examples_fit(model, element_spec, recipe):
-    """Refuses a model whose inputs do not take the data's examples (e.g.
-    `--data_args=image_size=16` for a model built for 32 x 32 images)."""
-    if not isinstance(element_spec, tuple):
-        return
-    features = element_spec[0]
-    if isinstance(features, dict):
-        names = [x.name for x in model.inputs]
-        if set(names) != set(features):
-            return  # Keras names the difference.
-        pairs = [(name, features[name], x)
-                 for name, x in zip(names, model.inputs)]
-    else:
-        specs = keras.tree.flatten(features)
-        if len(specs) != len(model.inputs):
-            return
-        pairs = [(x.name, spec, x) for spec, x in zip(specs, model.inputs)]
-    for name, spec, tensor in pairs:
-        given, taken = tuple(spec.shape)[1:], tuple(tensor.shape)[1:]
-        if len(given) != len(taken) or any(
-                a is not None and b is not None and a != b
-                for a, b in zip(given, taken)):
-            raise ConfigError(
-                f"Model {recipe.name!r} takes {name} of shape {taken}, but "
-                f"the data's examples have shape {given}: make --model_args "
-                "and --data_args agree (e.g. --data_args=image_size=16 with "
-                "--model_args=input_shape=[16,16,3]).")
-
-
-def make_learning_rate(config, rates, steps_per_epoch):
-    """Each model's learning rate (a float, B floats, or a per-model
-    schedule) under `config.schedule`."""
-    schedules = hftatf.optimizers.schedules
-    args = config.schedule_args
-    total_steps = steps_per_epoch * config.epochs
-    if config.schedule == "constant":
-        rate = rates
-    elif config.schedule == "cosine":
-        rate = schedules.CosineDecay(rates, decay_steps=total_steps,
-                                     alpha=args.get("alpha", 0.0))
-    elif config.schedule == "exponential":
-        rate = schedules.ExponentialDecay(
-            rates, decay_steps=steps_per_epoch * args.get("decay_epochs", 1),
-            decay_rate=args.get("decay_rate", 0.9),
-            staircase=args.get("staircase", False))
-    else:
-        epochs = args.get("decay_epochs", max(1, config.epochs // 3))
-        rate = schedules.StepDecay(rates, decay_steps=steps_per_epoch * epochs,
-                                   decay_rate=args.get("decay_rate", 0.1))
-    warmup = args.get("warmup_epochs", 0)
-    if warmup:
-        rate = schedules.LinearWarmup(rate, warmup_epochs=warmup,
-                                      steps_per_epoch=steps_per_epoch)
-    return rate
-
-
-def make_optimizer(config, per_model, shared, steps_per_epoch):
-    """The fused optimizer: the shared arguments, each model's values, and
-    the learning-rate schedule; a per-model loss-scale optimizer around it
-    under `mixed_float16`."""
-    values = {**shared, **per_model}
-    values["learning_rate"] = make_learning_rate(
-        config, values["learning_rate"], steps_per_epoch)
-    optimizer = config.optimizer_class()(**values)
-    if config.mixed_precision == "mixed_float16":
-        optimizer = hftatf.optimizers.LossScaleOptimizer(optimizer)
-    return optimizer
-
-
 def _label(row, columns):
     values = ", ".join(f"{name}={report.format_hyperparameter(row[name])}"
                        for name in columns)
@@ -602,6 +533,7 @@ def _label(row, columns):
 
 
 def main(argv):
+    check_backend(FLAGS["backend"].value if "backend" in FLAGS else None)
     if len(argv) > 1:
         raise ConfigError(
             f"Unexpected arguments: {' '.join(argv[1:])} (every option is a "
@@ -636,6 +568,7 @@ def _main_cli(argv):
 
 def run():
     """Console-script entry point (`hftatf-train`)."""
+    relaunch_for_backend(sys.argv)
     define_flags()
     app.run(_main_cli)
 

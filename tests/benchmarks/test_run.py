@@ -2,8 +2,10 @@
 and one smoke run of every mode with the tiniest settings (not a timing
 test: it checks that the harness runs and writes a well-formed CSV)."""
 
+import argparse
 import csv
 import dataclasses
+import os
 import pathlib
 import subprocess
 import sys
@@ -11,17 +13,24 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 # The harness lives next to the package, not inside it.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
 
-from benchmarks import measure, run, worker  # noqa: E402
+from benchmarks import backends, measure, run, worker  # noqa: E402
 from benchmarks.workloads import (  # noqa: E402
+    CycledBatches,
     Workload,
     parse_overrides,
     parse_value,
 )
+from hftatf.models.batches import ArrayBatches  # noqa: E402
+
+BACKEND = keras.backend.backend()
+# Until the JAX trainer lands, an array's fit runs on TensorFlow only.
+NEEDS_ARRAY_FIT = pytest.mark.backends(
+    "tensorflow", reason="an array's fit on JAX needs the JAX trainer")
 
 
 def trained(model, x, y):
@@ -29,7 +38,9 @@ def trained(model, x, y):
     return model
 
 
-def test_hlo_flops_of_a_dense_step_are_the_textbook_count():
+def dense_step():
+    """A trained 3-layer Dense model, its batch and the FLOPs of the dots
+    of its training step."""
     batch, sizes = 8, (6, 5, 4, 3)
     x = keras.Input((sizes[0],))
     h = x
@@ -43,12 +54,28 @@ def test_hlo_flops_of_a_dense_step_are_the_textbook_count():
     products = [2 * batch * a * b for a, b in zip(sizes, sizes[1:])]
     # Forward, kernel gradients, and input gradients of every layer but the
     # first (the data need none).
-    expected = 2 * sum(products) + sum(products[1:])
+    return model, data, 2 * sum(products) + sum(products[1:])
+
+
+@pytest.mark.backends("jax", reason="XLA's cost analysis of a JAX step")
+def test_jax_step_flops_are_the_dots_and_a_few_element_wise_ops():
+    model, data, dots = dense_step()
+    flops = measure.train_step_flops(model, data)
+    assert dots <= flops <= 1.5 * dots
+
+
+@pytest.mark.backends("tensorflow", reason="the HLO of a tf.function step; "
+                      "JAX's step is counted by XLA's cost analysis")
+def test_hlo_flops_of_a_dense_step_are_the_textbook_count():
+    tf = pytest.importorskip("tensorflow")
+    model, data, expected = dense_step()
     flops = measure.train_step_flops(
         model, tuple(tf.constant(d) for d in data))
     assert flops == expected
 
 
+@pytest.mark.backends("tensorflow", reason="the HLO of a tf.function step; "
+                      "JAX's step is counted by XLA's cost analysis")
 def test_hlo_flops_count_convolutions_and_their_gradients():
     batch = 2
     x = keras.Input((6, 6, 3))
@@ -59,6 +86,7 @@ def test_hlo_flops_count_convolutions_and_their_gradients():
     data = (np.ones((batch, 6, 6, 3), "float32"),
             np.ones((batch, 4, 4, 4), "float32"))
     trained(model, *data)
+    tf = pytest.importorskip("tensorflow")
     conv = 2 * batch * 6 * 6 * 4 * 3 * 3 * 3
     depthwise = 2 * batch * 4 * 4 * 4 * 3 * 3
     # The depthwise input gradient sums 3 x 3 windows over the padded
@@ -274,6 +302,8 @@ def test_a_crashed_worker_is_recorded_and_the_run_goes_on(
     assert "| failed |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.backends("tensorflow", reason="on JAX `best` measures XLA "
+                      "alone: there is no other setting to fall back on")
 def test_a_crash_under_one_xla_setting_leaves_the_other(tmp_path,
                                                         monkeypatch):
     fake_workers(monkeypatch, fail=crash("fused", jit=True))
@@ -281,6 +311,12 @@ def test_a_crash_under_one_xla_setting_leaves_the_other(tmp_path,
                       "serial,fused", "--fused_jit", "best"))
     fused = read_table(tmp_path)[1]
     assert (fused["failures"], fused["speedup"]) == ("0", "4.0")
+
+
+def test_best_jit_is_xla_alone_on_jax():
+    assert run._best_settings(argparse.Namespace(backend="jax")) == [True]
+    assert run._best_settings(argparse.Namespace(
+        backend="tensorflow")) == [False, True]
 
 
 def test_a_failed_probe_skips_its_model(tmp_path, monkeypatch):
@@ -373,19 +409,17 @@ def guarded_data(samples):
     """Recipe data of `samples` samples (two features, a label) whose
     input pipeline fails on its 100th pass: a loop over it that would
     never end fails instead."""
-    passes = []
 
-    def generate():
-        passes.append(1)
-        if len(passes) > 100:
-            raise RuntimeError("looped forever")
-        for index in range(samples):
-            yield np.zeros(2, "float32"), np.float32(index)
+    class Guarded(ArrayBatches):
+        def on_epoch_end(self):
+            super().on_epoch_end()
+            if self.epoch >= 100:
+                raise RuntimeError("looped forever")
 
     def data(batch_size, seed=0, **kwargs):
-        train = tf.data.Dataset.from_generator(generate, output_signature=(
-            tf.TensorSpec((2,)), tf.TensorSpec(())))
-        return train.batch(batch_size), None
+        arrays = (np.zeros((samples, 2), "float32"),
+                  np.arange(samples, dtype="float32"))
+        return Guarded(arrays, batch_size), None
 
     return data
 
@@ -416,6 +450,7 @@ def test_workload_batches_are_full_and_repeat():
     assert small.batches(5)[1][:, 0].tolist() == [0, 4, 0, 4, 0]
 
 
+@NEEDS_ARRAY_FIT
 def test_stock_gan_twin_trains_like_the_array():
     work = Workload("dcgan", batch_size=4,
                     model_args={"latent_dim": 8, "filters": 4,
@@ -451,7 +486,7 @@ def test_epoch_timer_records_wall_and_processor_time():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile("sgd", "mse", jit_compile=False)
     x = np.zeros((8, 4), "float32")
-    dataset = tf.data.Dataset.from_tensors((x, x[:, :2])).repeat()
+    dataset = CycledBatches((x[np.newaxis], x[np.newaxis, :, :2]))
     timer = measure.timed_fit(model, dataset, steps=3, epochs=2,
                               warmup_steps=1)
     assert len(timer.durations) == len(timer.cpu_durations) == 2
@@ -476,6 +511,7 @@ def test_csv_round_trip(tmp_path):
     assert read[0]["peak_rss_mb"] is None
 
 
+@NEEDS_ARRAY_FIT
 def test_smoke_run_writes_a_well_formed_csv(tmp_path):
     # A row of another model, kept by --append.
     kept = {"model": "pointnet", "mode": "fused", "num_models": 4,
@@ -546,3 +582,34 @@ def test_report_only_redraws_from_the_csv_without_measuring(tmp_path,
     assert [line.split(" | ")[:2] for line in markdown[2:]] == [
         ["| mlp", "2"]]
     assert "2.50" in markdown[2]
+
+
+# -- the backend ------------------------------------------------------------
+
+
+def test_backend_flag_goes_to_the_workers_or_is_refused(monkeypatch):
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    assert backends.apply(None) == BACKEND
+    assert backends.apply(BACKEND) == BACKEND
+    assert run.parse_args(["--backend", BACKEND]).backend == BACKEND
+    other = next(b for b in backends.BACKENDS if b != BACKEND)
+    with pytest.raises(ValueError, match=f"already imported .* on {BACKEND}"):
+        backends.apply(other)
+
+
+def test_backend_flag_is_applied_before_keras_is_imported(tmp_path):
+    # The parent process of a benchmark imports no Keras: the flag sets the
+    # workers' backend.
+    probe = (
+        "import os, sys\n"
+        "from benchmarks import run\n"
+        "args = run.parse_args(['--backend', 'jax', '--model', 'mlp'])\n"
+        "import keras\n"
+        "print(args.backend, os.environ['KERAS_BACKEND'],"
+        " keras.backend.backend())\n")
+    environment = {k: v for k, v in os.environ.items()
+                   if k != "KERAS_BACKEND"}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT,
+                          env=environment, capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.split() == ["jax", "jax", "jax"], done.stderr

@@ -8,7 +8,7 @@ from testing import assert_close
 
 import hftatf
 from hftatf.layers import dense
-from hftatf.models import bert, recipes, text
+from hftatf.models import bert, masked_lm, recipes, text
 
 B = 3
 VOCABULARY = 50
@@ -32,11 +32,9 @@ def mlm_batch(n=16, length=10, seed=0):
     for row, size in enumerate(lengths):
         ids[row, size:] = text.PAD_ID
         segments[row, size // 2:size] = 1
-    masked, labels = text.mask_tokens(ids, [seed, 1], VOCABULARY,
-                                      mask_rate=0.3)
-    inputs = {"token_ids": keras.ops.convert_to_numpy(masked),
-              "segment_ids": segments}
-    return inputs, keras.ops.convert_to_numpy(labels)
+    masked, labels = masked_lm.mask_token_array(ids, rng, VOCABULARY,
+                                                mask_rate=0.3)
+    return {"token_ids": masked, "segment_ids": segments}, labels
 
 
 # -- the stock model --------------------------------------------------------
@@ -101,7 +99,7 @@ def test_masked_lm_loss_counts_masked_positions_only():
         keras.losses.sparse_categorical_crossentropy(
             labels[i, j], logits[i, j], from_logits=True)
         for i, j in ((0, 1), (2, 4))])
-    assert_close(text.masked_lm_loss()(labels, logits), expected)
+    assert_close(masked_lm.masked_lm_loss()(labels, logits), expected)
 
 
 # -- arrays against stock models --------------------------------------------
@@ -124,12 +122,12 @@ def test_array_trains_as_stock_models(sizes):
     # SGD: a fused Embedding's dense gradient equals the stock sparse
     # update only for optimizers without per-row state.
     array.compile(hftatf.optimizers.SGD(RATES, momentum=0.9),
-                  loss=text.masked_lm_loss(), jit_compile=False)
+                  loss=masked_lm.masked_lm_loss(), jit_compile=False)
     history = array.fit(inputs, labels, batch_size=8, epochs=1,
                         shuffle=False, verbose=0)
     for b, reference in enumerate(stock):
         reference.compile(keras.optimizers.SGD(RATES[b], momentum=0.9),
-                          loss=text.masked_lm_loss())
+                          loss=masked_lm.masked_lm_loss())
         stock_history = reference.fit(inputs, labels, batch_size=8,
                                       epochs=1, shuffle=False, verbose=0)
         for ours, theirs in zip(array.unfuse()[b].weights,
@@ -142,7 +140,7 @@ def test_array_trains_as_stock_models(sizes):
 def test_export_round_trip(tmp_path):
     array = hftatf.fuse(small_bert(), 2)
     array.compile(hftatf.optimizers.SGD([0.1, 0.3]),
-                  loss=text.masked_lm_loss(), jit_compile=False)
+                  loss=masked_lm.masked_lm_loss(), jit_compile=False)
     inputs, labels = mlm_batch(8)
     array.fit(inputs, labels, batch_size=8, epochs=1, verbose=0)
     hftatf.export_models(array, tmp_path, format="keras")
@@ -173,12 +171,12 @@ def test_recipes(name):
 @pytest.mark.slow
 def test_array_masked_lm_loss_decreases_clearly():
     data_args = dict(sequence_length=32, vocabulary_size=1000)
-    train, validation = text.masked_lm_data(32, **data_args)
+    train, validation = masked_lm.masked_lm_data(32, **data_args)
     model = bert.build(1000, num_layers=2, hidden_dim=64, num_heads=4,
                        intermediate_dim=128, max_length=32, dropout=0.0)
     array = hftatf.fuse(model, 3)
     array.compile(hftatf.optimizers.Adam([2e-3, 1e-3, 5e-4]),
-                  loss=text.masked_lm_loss())
+                  loss=masked_lm.masked_lm_loss())
     start = array.evaluate(validation, verbose=0, return_dict=True)
     # After 2 epochs the models are at 5.0-5.1.
     history = array.fit(train, epochs=2, validation_data=validation,

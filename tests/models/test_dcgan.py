@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from testing import assert_close
+from testing import assert_close, value_and_gradients
 
 import hftatf
 from hftatf.models import dcgan, recipes
@@ -92,6 +92,47 @@ def test_gan_losses_are_the_stock_binary_crossentropies():
         assert_close(g_losses[b], bce(ones, fake[:, b]))
 
 
+# -- the stock GAN's step (the oracle's) on each backend --------------------
+
+
+def test_stock_gan_step_applies_each_loss_to_its_own_network():
+    model = small_gan()
+    start = model.get_weights()
+    x = images(8)
+    noise = np.random.default_rng(4).normal(size=(8, LATENT)).astype(
+        "float32")
+    reference = dcgan.GAN(model)
+    losses = {}
+    gradients = {}
+    for index, (name, network) in enumerate(
+            (("d_loss", reference.discriminator),
+             ("g_loss", reference.generator))):
+        value, _, gradients[name] = value_and_gradients(
+            lambda index=index: (reference.losses_of(x, noise)[index],) * 2,
+            (),
+            network.trainable_variables)
+        losses[name] = float(keras.ops.convert_to_numpy(value))
+    expected = {}
+    for name, network, rate in (("d_loss", reference.discriminator, 0.1),
+                                ("g_loss", reference.generator, 0.05)):
+        for variable, gradient in zip(network.trainable_variables,
+                                      gradients[name]):
+            expected[variable.path] = keras.ops.convert_to_numpy(
+                variable.value) - rate * np.asarray(gradient)
+
+    model.set_weights(start)
+    gan = dcgan.GAN(model)
+    gan.compile(keras.optimizers.SGD(0.05), keras.optimizers.SGD(0.1))
+    history = gan.fit({"images": x, "noise": noise}, batch_size=8,
+                      epochs=1, shuffle=False, verbose=0).history
+    for name in ("d_loss", "g_loss"):
+        assert_close(history[name][0], losses[name], err_msg=name)
+    for variable in (gan.generator.trainable_variables
+                     + gan.discriminator.trainable_variables):
+        assert_close(variable.value, expected[variable.path],
+                     err_msg=variable.path)
+
+
 # -- FusedGAN against stock GANs --------------------------------------------
 
 
@@ -123,15 +164,59 @@ def test_fused_gan_trains_as_stock_gans():
     assert not np.allclose(first, second)
 
 
+def dense_gan():
+    """A GAN of Dense networks (BatchNormalization in the generator), as
+    `combine` joins any generator and discriminator."""
+    noise = keras.Input((LATENT,))
+    hidden = keras.layers.BatchNormalization()(
+        keras.layers.Dense(8, activation="relu")(noise))
+    fake = keras.layers.Reshape((2, 2, 1))(
+        keras.layers.Dense(4, activation="tanh")(hidden))
+    real = keras.Input((2, 2, 1))
+    hidden = keras.layers.Dense(6, activation="relu")(
+        keras.layers.Flatten()(real))
+    return dcgan.combine(keras.Model(noise, fake),
+                         keras.Model(real, keras.layers.Dense(1)(hidden)))
+
+
+def test_fused_gan_of_any_networks_trains_as_stock_gans():
+    gan = hftatf.fuse(dense_gan(), B, model_class=dcgan.FusedGAN)
+    gan.compile(
+        generator_optimizer=hftatf.optimizers.Adam(G_RATES, beta_1=0.5),
+        discriminator_optimizer=hftatf.optimizers.SGD(D_RATES, momentum=0.5))
+    stock = gan.unfuse()
+    x = images(16, size=2)
+    noise = np.random.default_rng(1).normal(
+        size=(len(x), B, LATENT)).astype("float32")
+    history = gan.fit({"images": x, "noise": noise}, batch_size=8, epochs=1,
+                      shuffle=False, verbose=0).history
+    for b, model in enumerate(stock):
+        reference = dcgan.GAN(model)
+        reference.compile(keras.optimizers.Adam(G_RATES[b], beta_1=0.5),
+                          keras.optimizers.SGD(D_RATES[b], momentum=0.5))
+        stock_history = reference.fit(
+            {"images": x, "noise": noise[:, b]}, batch_size=8, epochs=1,
+            shuffle=False, verbose=0).history
+        for ours, theirs in zip(gan.unfuse()[b].weights, model.weights):
+            assert_close(ours, theirs, err_msg=f"model {b} {theirs.path}")
+        for name in ("d_loss", "g_loss"):
+            assert_close(history[f"{name}_{b}"], stock_history[name])
+    # Noise drawn in the step, and evaluation.
+    logs = gan.fit(x, batch_size=8, epochs=1, verbose=0).history
+    assert np.isfinite(logs["d_loss"]).all()
+    assert set(gan.evaluate(x, batch_size=8, verbose=0, return_dict=True)) == {
+        "d_loss", "g_loss", "d_loss_0", "d_loss_1", "g_loss_0", "g_loss_1"}
+
+
 def test_real_images_may_be_given_per_model():
     x = images(8)
     noise = np.random.default_rng(2).normal(
         size=(8, B, LATENT)).astype("float32")
     per_model = fused_gan()
     shared = fused_gan(start=per_model)
-    per_model.train_step({"images": np.stack([x, images(8, seed=3)], axis=1),
-                          "noise": noise})
-    shared.train_step({"images": x, "noise": noise})
+    per_model.train_on_batch(
+        {"images": np.stack([x, images(8, seed=3)], axis=1), "noise": noise})
+    shared.train_on_batch({"images": x, "noise": noise})
     for ours, theirs in zip(per_model.discriminator.get_weights(),
                             shared.discriminator.get_weights()):
         # Model 0 saw the same images both times; model 1 did not.
@@ -168,8 +253,8 @@ def test_a_diverging_model_leaves_the_other_untouched():
     gan = fused_gan()
     clean = fused_gan(start=gan)
     start = [keras.ops.convert_to_numpy(w) for w in gan.trainable_weights]
-    gan.train_step({"images": poisoned, "noise": noise})
-    clean.train_step({"images": x, "noise": noise})
+    gan.train_on_batch({"images": poisoned, "noise": noise})
+    clean.train_on_batch({"images": x, "noise": noise})
     assert list(gan.diverged_models) == [True, False]
     assert not any(clean.diverged_models)
     for ours, theirs in zip(gan.get_weights(), clean.get_weights()):
@@ -225,10 +310,10 @@ def test_model_without_generator_and_discriminator_is_refused():
 def test_wrong_image_and_noise_shapes_are_refused():
     gan = fused_gan()
     with pytest.raises(ValueError, match="real images of shape"):
-        gan.train_step(np.zeros((4, 16, 16, 1), "float32"))
+        gan.train_on_batch(np.zeros((4, 16, 16, 1), "float32"))
     with pytest.raises(ValueError, match="noise of shape"):
-        gan.train_step({"images": images(4),
-                        "noise": np.zeros((4, LATENT), "float32")})
+        gan.train_on_batch({"images": images(4),
+                            "noise": np.zeros((4, LATENT), "float32")})
 
 
 # -- serialization and export -----------------------------------------------

@@ -1,15 +1,25 @@
 """Text data without download: tokenizer, corpus split, language-model
-windows, BERT masking, and users' own text."""
+windows, BERT masking (TensorFlow's and NumPy's), and users' own text."""
 
+import itertools
 import math
 import pathlib
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
-from hftatf.models import text
+from hftatf.models import masked_lm, text
+
+
+def first_batches(dataset, count=1):
+    """The first `count` batches of one epoch, as NumPy; a PyDataset then
+    moves to its next epoch, as after an epoch of fit."""
+    taken = [keras.tree.map_structure(np.asarray, batch)
+             for batch in itertools.islice(iter(dataset), count)]
+    if hasattr(dataset, "on_epoch_end"):
+        dataset.on_epoch_end()
+    return taken
 
 # -- tokenizer --------------------------------------------------------------
 
@@ -108,13 +118,13 @@ def test_language_model_windows_are_shifted_and_consecutive():
 def test_language_model_data_batches():
     train, validation = text.language_model_data(8, sequence_length=16,
                                                  vocabulary_size=500)
-    inputs, targets = next(iter(train))
+    (inputs, targets), = first_batches(train)
     assert inputs.shape == targets.shape == (8, 16)
-    assert inputs.dtype == tf.int32
+    assert inputs.dtype == np.int32
     np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
-    assert int(tf.reduce_max(targets)) < 500
-    first = [b[0].numpy() for b in validation]
-    second = [b[0].numpy() for b in validation]
+    assert targets.max() < 500
+    first = [np.asarray(b[0]) for b in validation]
+    second = [np.asarray(b[0]) for b in validation]
     np.testing.assert_array_equal(np.concatenate(first),
                                   np.concatenate(second))
 
@@ -140,28 +150,38 @@ def test_baseline_of_the_reference_corpus():
 
 def test_masked_lm_examples_are_sentence_pairs():
     documents = [np.arange(10, 21)]
-    tokens, segments = text.masked_lm_examples(documents, 8)
+    tokens, segments = masked_lm.masked_lm_examples(documents, 8)
     # Pieces of 5: [10..14] -> halves of 3 and 2; [15..19]; [20] dropped.
     assert tokens.shape == (2, 8)
     np.testing.assert_array_equal(tokens[0], [text.CLS_ID, 10, 11, 12,
                                               text.SEP_ID, 13, 14,
                                               text.SEP_ID])
     np.testing.assert_array_equal(segments[0], [0, 0, 0, 0, 0, 1, 1, 1])
-    short, short_segments = text.masked_lm_examples([np.arange(10, 14)], 8)
+    short, short_segments = masked_lm.masked_lm_examples([np.arange(10, 14)], 8)
     np.testing.assert_array_equal(short[0], [text.CLS_ID, 10, 11,
                                              text.SEP_ID, 12, 13,
                                              text.SEP_ID, text.PAD_ID])
     np.testing.assert_array_equal(short_segments[0], [0, 0, 0, 0, 1, 1, 1, 0])
 
 
-def test_mask_tokens_follows_bert():
+def tensorflow_masks(ids, seed):
+    pytest.importorskip("tensorflow")
+    return tuple(keras.ops.convert_to_numpy(t) for t in masked_lm.mask_tokens(
+        ids, [seed, 4], 1000))
+
+
+def numpy_masks(ids, seed):
+    return masked_lm.mask_token_array(ids, np.random.default_rng(seed), 1000)
+
+
+@pytest.mark.parametrize("masks", [tensorflow_masks, numpy_masks])
+def test_mask_tokens_follows_bert(masks):
     rng = np.random.default_rng(0)
     ids = rng.integers(5, 1000, (400, 128)).astype("int32")
     ids[:, 0] = text.CLS_ID
     ids[:, 64] = text.SEP_ID
     ids[:, 100:] = text.PAD_ID
-    masked, labels = (keras.ops.convert_to_numpy(t) for t in
-                      text.mask_tokens(ids, [3, 4], 1000))
+    masked, labels = masks(ids, 3)
     chosen = labels != text.IGNORED_LABEL
     np.testing.assert_array_equal(labels[chosen], ids[chosen])
     assert not chosen[:, [0, 64]].any() and not chosen[:, 100:].any()
@@ -176,28 +196,32 @@ def test_mask_tokens_follows_bert():
     assert abs(kept - 0.1) < 0.015 and abs(replaced - 0.1) < 0.015
     random_ids = masked[chosen & (masked != text.MASK_ID) & (masked != ids)]
     assert random_ids.min() >= len(text.SPECIAL_TOKENS)
-    again = keras.ops.convert_to_numpy(text.mask_tokens(ids, [3, 4], 1000)[0])
-    np.testing.assert_array_equal(again, masked)
+    np.testing.assert_array_equal(masks(ids, 3)[0], masked)
 
 
 def test_mask_rate_is_validated():
     with pytest.raises(ValueError, match="mask_rate"):
-        text.mask_tokens(np.ones((2, 3)), [0, 0], 10, mask_rate=1.5)
+        masked_lm.mask_tokens(np.ones((2, 3)), [0, 0], 10, mask_rate=1.5)
+    with pytest.raises(ValueError, match="mask_rate"):
+        masked_lm.mask_token_array(np.ones((2, 3)), np.random.default_rng(),
+                                   10, mask_rate=0.0)
+    with pytest.raises(ValueError, match="mask_rate"):
+        masked_lm.masked_lm_data(4, mask_rate=1.0)
 
 
 def test_masked_lm_data_masks_training_anew_and_validation_alike():
-    train, validation = text.masked_lm_data(4, sequence_length=16,
-                                            vocabulary_size=500,
-                                            shuffle=False)
-    inputs, labels = next(iter(train))
+    train, validation = masked_lm.masked_lm_data(4, sequence_length=16,
+                                                 vocabulary_size=500,
+                                                 shuffle=False)
+    (inputs, labels), = first_batches(train)
     assert set(inputs) == {"token_ids", "segment_ids"}
     assert inputs["token_ids"].shape == labels.shape == (4, 16)
-    assert np.all(inputs["token_ids"].numpy()[:, 0] == text.CLS_ID)
-    epoch_1 = next(iter(train))[1].numpy()
-    epoch_2 = next(iter(train))[1].numpy()
+    assert np.all(inputs["token_ids"][:, 0] == text.CLS_ID)
+    epoch_1 = first_batches(train)[0][1]
+    epoch_2 = first_batches(train)[0][1]
     assert not np.array_equal(epoch_1, epoch_2)
-    np.testing.assert_array_equal(next(iter(validation))[1],
-                                  next(iter(validation))[1])
+    np.testing.assert_array_equal(first_batches(validation)[0][1],
+                                  first_batches(validation)[0][1])
 
 
 def test_validation_masks_follow_the_seed_alone():
@@ -206,9 +230,9 @@ def test_validation_masks_follow_the_seed_alone():
     def validation_labels(global_seed, seed=0):
         if global_seed is not None:
             keras.utils.set_random_seed(global_seed)
-        _, validation = text.masked_lm_data(4, seed=seed, sequence_length=16,
-                                            vocabulary_size=500)
-        return [labels.numpy() for _, labels in validation.take(3)]
+        _, validation = masked_lm.masked_lm_data(
+            4, seed=seed, sequence_length=16, vocabulary_size=500)
+        return [labels for _, labels in first_batches(validation, 3)]
 
     first = validation_labels(None)
     for other in (validation_labels(0), validation_labels(123)):
@@ -225,6 +249,7 @@ def test_load_texts_from_strings_dicts_and_datasets():
     assert text.load_texts(["one", " ", "two"]) == ["one", "two"]
     assert text.load_texts({"b": "second", "a": "first"}) == [
         "first", "second"]
+    tf = pytest.importorskip("tensorflow")
     dataset = tf.data.Dataset.from_tensor_slices(["x y", "z", "w"]).batch(2)
     assert text.load_texts(dataset) == ["x y", "z", "w"]
 
@@ -257,8 +282,9 @@ def test_recipes_take_users_text(tmp_path):
     train, validation = text.language_model_data(
         4, sequence_length=8, vocabulary_size=20, validation_fraction=0.3,
         source=tmp_path)
-    inputs, _ = next(iter(train))
-    assert inputs.shape == (4, 8) and int(tf.reduce_max(inputs)) < 20
-    train, _ = text.masked_lm_data(4, sequence_length=8, vocabulary_size=20,
-                                   validation_fraction=0.3, source=tmp_path)
-    assert next(iter(train))[1].shape == (4, 8)
+    (inputs, _), = first_batches(train)
+    assert inputs.shape == (4, 8) and inputs.max() < 20
+    train, _ = masked_lm.masked_lm_data(
+        4, sequence_length=8, vocabulary_size=20, validation_fraction=0.3,
+        source=tmp_path)
+    assert first_batches(train)[0][1].shape == (4, 8)

@@ -1,20 +1,38 @@
-"""Data recipes: digits and MNIST images as tf.data pipelines, point clouds
-of parametric shapes, and users' own data (datasets, TFRecord files,
-tensorflow-datasets directories)."""
+"""Data recipes: digits and MNIST images as batches (tf.data on the
+TensorFlow backend, NumPy `PyDataset`s elsewhere), point clouds of
+parametric shapes, and users' own data (datasets, TFRecord files,
+tensorflow-datasets directories), which need TensorFlow."""
 
 import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
 
+import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from testing import assert_close
 
-from hftatf.models import data, recipes
+from hftatf.models import clouds, data, recipes
+from hftatf.models.batches import ArrayBatches, uses_tf_data
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def batches(dataset):
-    """All `(x, y)` batches of one pass, as NumPy arrays."""
-    return [(np.asarray(x), np.asarray(y)) for x, y in dataset]
+    """All `(x, y)` batches of one pass (one epoch), as NumPy arrays."""
+    pairs = [(np.asarray(x), np.asarray(y)) for x, y in dataset]
+    if hasattr(dataset, "on_epoch_end"):
+        # What fit does after an epoch: a PyDataset reshuffles there.
+        dataset.on_epoch_end()
+    return pairs
+
+
+def resized(images, side):
+    """Stock Keras's bilinear resize of `[n, h, w, c]` images."""
+    return keras.ops.convert_to_numpy(keras.ops.image.resize(
+        np.asarray(images, "float32"), (side, side)))
 
 
 def stacked(dataset):
@@ -50,8 +68,8 @@ def test_digit_images(image_size, channels):
     assert x.shape == (359, side, side, channels) and x.dtype == np.float32
     assert y.dtype == np.int32 and 0.0 <= x.min() and x.max() <= 1.0
     (_, _), (x_val, y_val) = data.digits()
-    expected = tf.image.resize(x_val[..., None], (side, side)) if (
-        image_size) else x_val[..., None]
+    expected = resized(x_val[..., None], side) if image_size else x_val[
+        ..., None]
     assert_close(x, np.repeat(expected, channels, axis=-1), atol=1e-6)
     np.testing.assert_array_equal(y, y_val)
     sizes = [len(y) for _, y in batches(train)]
@@ -89,6 +107,7 @@ def test_augmentation_shifts_training_images_only():
 
 
 def test_from_datasets_converts_users_images():
+    tf = pytest.importorskip("tensorflow")
     images = np.random.default_rng(0).integers(0, 256, (10, 6, 6)).astype(
         "uint8")
     labels = np.arange(10)
@@ -142,6 +161,7 @@ def test_tfds_without_the_package_says_how_to_install_it(tmp_path):
 
 def write_examples(path, images, labels):
     """TFRecords written with TensorFlow alone, in the documented format."""
+    tf = pytest.importorskip("tensorflow")
     with tf.io.TFRecordWriter(str(path)) as writer:
         for image, label in zip(images, labels):
             feature = {
@@ -155,6 +175,7 @@ def write_examples(path, images, labels):
 
 
 def test_tfrecord_images(tmp_path):
+    pytest.importorskip("tensorflow")
     rng = np.random.default_rng(0)
     images = rng.integers(0, 256, (12, 5, 5, 1)).astype("uint8")
     labels = rng.integers(0, 3, 12)
@@ -167,7 +188,7 @@ def test_tfrecord_images(tmp_path):
         image_size=10, channels=3)
     x, y = stacked(validation)
     assert x.shape == (12, 10, 10, 3) and y.dtype == np.int32
-    expected = tf.image.resize(images / 255.0, (10, 10))
+    expected = resized(images / 255.0, 10)
     assert_close(x, np.repeat(expected, 3, axis=-1), atol=1e-6)
     np.testing.assert_array_equal(y, labels)
     x_train, y_train = stacked(train)
@@ -181,6 +202,7 @@ def test_tfrecord_images(tmp_path):
 
 @pytest.mark.parametrize("segmentation", [False, True])
 def test_tfrecord_points(tmp_path, segmentation):
+    pytest.importorskip("tensorflow")
     points, labels, parts = data.point_clouds(num_points=20,
                                               samples_per_shape=2)
     path = tmp_path / "clouds.tfrecord"
@@ -202,7 +224,7 @@ def test_tfrecord_points(tmp_path, segmentation):
 
 def surface(shape, n=4000):
     """Points of one shape before centring, scaling and rotation."""
-    points, parts = data._SAMPLERS[shape](np.random.default_rng(0), n)
+    points, parts = clouds._SAMPLERS[shape](np.random.default_rng(0), n)
     return np.asarray(points), np.asarray(parts)
 
 
@@ -255,7 +277,7 @@ def test_clouds_are_labelled_and_scaled():
 
 def test_rotations_are_proper_and_random():
     rng = np.random.default_rng(0)
-    rotations = [data._rotation(rng) for _ in range(50)]
+    rotations = [clouds._rotation(rng) for _ in range(50)]
     for rotation in rotations:
         assert_close(rotation @ rotation.T, np.eye(3), atol=1e-6)
         assert_close(np.linalg.det(rotation), 1.0, atol=1e-6)
@@ -282,3 +304,72 @@ def test_mlp_recipe_data():
     x, y = next(iter(train))
     model = recipe.build(**recipe.model_args)
     assert x.shape == (8, 8, 8, 1) and model(x).shape == (8, 10)
+
+
+# -- the backend's kind of batches ------------------------------------------
+
+
+def test_recipes_give_tf_data_on_tensorflow_and_pydatasets_elsewhere():
+    train, validation = data.digit_images(64, image_size=None)
+    if uses_tf_data():
+        tf = pytest.importorskip("tensorflow")
+        assert isinstance(train, tf.data.Dataset)
+    else:
+        assert isinstance(train, keras.utils.PyDataset)
+        assert isinstance(validation, ArrayBatches) and len(train) == 23
+
+
+def test_array_batches_shuffle_every_epoch_and_transform_with_the_seed():
+    x, y = np.arange(10.0), np.arange(10)
+    dataset = ArrayBatches((x, y), 4, seed=1, transform=lambda batch, rng: (
+        batch[0] + rng.uniform(size=len(batch[0])), batch[1]))
+    first = batches(dataset)
+    assert [len(b) for b, _ in first] == [4, 4, 2]
+    second = batches(dataset)
+    order = np.concatenate([b for _, b in first])
+    assert sorted(order) == list(range(10))
+    assert not np.array_equal(order, np.concatenate([b for _, b in second]))
+    noise = np.concatenate([b - i for b, i in first])
+    assert np.all((0 <= noise) & (noise < 1))
+    again = ArrayBatches((x, y), 4, seed=1, transform=dataset.transform)
+    assert_close(batches(again)[0][0], first[0][0])
+    assert len(ArrayBatches(x, 4, drop_remainder=True)) == 2
+    with pytest.raises(ValueError, match="same number of samples"):
+        ArrayBatches((x, y[:3]), 4)
+    with pytest.raises(IndexError):
+        ArrayBatches(x, 4)[3]
+
+
+def test_without_tensorflow_recipes_give_arrays_and_files_ask_for_it():
+    # hftatf's package is left out: this asserts the zoo's data modules
+    # alone import no TensorFlow.
+    probe = """
+import pathlib, sys, types
+sys.modules["tensorflow"] = None
+package = types.ModuleType("hftatf")
+package.__path__ = [str(pathlib.Path("hftatf").resolve())]
+sys.modules["hftatf"] = package
+from hftatf.models import data, masked_lm, text
+train, _ = data.digit_images(100, image_size=16, channels=3, augment=True)
+x, y = train[0]
+assert type(train).__name__ == "ArrayBatches" and x.shape == (100, 16, 16, 3)
+train, _ = data.shapes(16, num_points=32, samples_per_shape=10)
+train, _ = masked_lm.masked_lm_data(8, sequence_length=16)
+assert train[0][0]["token_ids"].shape == (8, 16)
+train, _ = text.language_model_data(8, sequence_length=16)
+for call in (lambda: data.tfrecord_images("x", None, 4),
+             lambda: data.tfds_images("mnist", ".", 4),
+             lambda: data.IMAGE_FEATURES):
+    try:
+        call()
+    except ImportError as error:
+        assert "pip install tensorflow" in str(error), error
+    else:
+        raise AssertionError("no ImportError")
+print("ok")
+"""
+    environment = {**os.environ, "KERAS_BACKEND": "jax"}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT,
+                            env=environment, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
