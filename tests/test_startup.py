@@ -26,9 +26,16 @@ print(int(tf.constant(1) + 1))
 """
 
 
-def run_probe(*argv, **environ):
+def tensorflow_environ():
+    """This process' environment for a launcher on the TensorFlow backend
+    (whose notes these tests are about), with no log level set."""
     env = {key: value for key, value in os.environ.items()
            if key != "TF_CPP_MIN_LOG_LEVEL"}
+    return {**env, "KERAS_BACKEND": "tensorflow"}
+
+
+def run_probe(*argv, **environ):
+    env = tensorflow_environ()
     env.update(environ)
     return subprocess.run([sys.executable, "-c", PROBE, *argv], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -68,6 +75,16 @@ def test_only_launchers_and_only_unless_asked():
     assert not startup.asks_for_tensorflow_logs(["--verbose=2"])
 
 
+def test_the_backend_is_read_as_keras_reads_it(tmp_path):
+    (tmp_path / "keras.json").write_text('{"backend": "jax"}')
+    assert startup.keras_backend_setting({"KERAS_HOME": str(tmp_path)}) == (
+        "jax")
+    assert startup.keras_backend_setting({
+        "KERAS_HOME": str(tmp_path), "KERAS_BACKEND": "torch"}) == "torch"
+    assert startup.keras_backend_setting(
+        {"KERAS_HOME": str(tmp_path / "none")}) == "tensorflow"
+
+
 def test_warnings_and_errors_are_kept():
     text = ("WARNING: All log messages before absl::InitializeLog() is "
             "called are written to STDERR\n"
@@ -81,8 +98,7 @@ def test_warnings_and_errors_are_kept():
 
 @pytest.mark.slow
 def test_the_launcher_command_runs_quietly(tmp_path):
-    env = {key: value for key, value in os.environ.items()
-           if key != "TF_CPP_MIN_LOG_LEVEL"}
+    env = tensorflow_environ()
     result = subprocess.run(
         [sys.executable, "-m", "hftatf.tpu.train", "--epochs=1",
          "--train_steps=1", "--eval_steps=1", "--export_dir=",
