@@ -17,13 +17,11 @@ from hftatf.api import hftatf_export
 from hftatf.core import compat, hooks
 from hftatf.core.compat import (
     compute_output_spec,
-    model_supports_jit,
     no_automatic_dependency_tracking,
 )
-from hftatf.core.devices import has_accelerator
 from hftatf.core.logs import check_stock_callbacks
 from hftatf.core.validation import check_num_models
-from hftatf.layers import convolutional, layer_state, objects, per_model
+from hftatf.layers import convolutional, layer_state, per_model
 from hftatf.training import divergence, losses, routing, surgery
 from hftatf.training.divergence import ModelStatus
 from hftatf.training.losses import PerModelMean, clone_metrics  # noqa: F401
@@ -43,12 +41,6 @@ def _backups_last(callbacks):
         if isinstance(callback, backup.BackupAndRestore):
             callback.callbacks = others
     return others + backups
-
-
-# Stock layers that XLA cannot compile on a CPU (TensorFlow 2.21), though
-# they set `supports_jit`: `FusedModel._has_layers_without_xla`.
-_LAYERS_WITHOUT_XLA = frozenset(
-    ("AugMix", "CutMix", "MixUp", "RandAugment", "RandomElasticTransform"))
 
 
 @hftatf_export
@@ -272,12 +264,15 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
             compat.compile_config(self)["models_per_pass"] = models_per_pass
 
     def _symbolic_build(self, iterator=None, data_batch=None):
-        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
-        # Under a strategy, state must exist before the step is traced (not
-        # inside its conditionals): build the per-model losses and metrics
-        # as Keras builds its own.
+        # Under a strategy, and on JAX, state must exist before the step is
+        # traced: build the per-model losses and metrics as Keras builds
+        # its own. One batch serves both (taking a second from `iterator`
+        # would begin a `PyDataset`'s epoch twice).
         unbuilt = [m for m in (self._model_metrics or []) + (
             self._model_losses or []) if not m.built]
+        if data_batch is None and unbuilt:
+            data_batch = self._batch_for_building(iterator)
+        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
         if not unbuilt or data_batch is None:
             return
 
@@ -299,47 +294,12 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         if self.built and not self.optimizer.built:
             self.optimizer.build(self.trainable_variables)
 
-    def _resolve_auto_jit_compile(self):
-        if compat.distribute_strategy(self):
-            return False
-        if not model_supports_jit(self) or self._has_layers_without_xla():
-            return False
-        if has_accelerator():
-            return True
-        # On CPUs, XLA fuses an array's elementwise work and batched matmuls
-        # (faster, Transformers included, since their draws take keys
-        # straight from their seeds: `hftatf.seeds`), but its convolutions
-        # are slower than TensorFlow's oneDNN kernels, and it takes minutes
-        # to compile a deep convolutional network (benchmarks/README.md).
-        return not self._has_convolutions()
-
     def _weights_assigned_in_training(self):
         """The trainable weights that a forward pass in training assigns
         (a spectral normalization's kernel), in no particular order."""
         return [variable for layer in compat.inner_layers(self)
                 if getattr(layer, "assigns_weights_in_training", False)
                 for variable in layer.trainable_weights]
-
-    def _has_layers_without_xla(self):
-        """Whether a layer of the array computes with TensorFlow operations
-        that XLA cannot compile, though the layer says it supports XLA
-        (`supports_jit`): resizing other than nearest or bilinear, or with
-        antialiasing or padding to an aspect ratio, and mixing
-        augmentations that draw from a Gamma distribution or transform
-        with dynamic shapes. Stock Keras fails on them with
-        `jit_compile=True` too; `"auto"` leaves XLA off for them. Also
-        `UpSampling2D` other than nearest, which resizes to a size computed
-        in the graph: XLA's resize then computes other values than
-        TensorFlow's (stock Keras too, off by as much as the values)."""
-        return any(
-            type(layer).__name__ in _LAYERS_WITHOUT_XLA
-            or (isinstance(layer, keras.layers.UpSampling2D)
-                and layer.interpolation != "nearest")
-            or getattr(layer, "interpolation", "bilinear") not in (
-                "nearest", "bilinear")
-            or getattr(layer, "antialias", False)
-            or getattr(layer, "pad_to_aspect_ratio", False)
-            for layer in objects.all_layers(compat.inner_layers(self)))
 
     def _has_convolutions(self):
         layers = list(compat.inner_layers(self))

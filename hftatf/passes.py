@@ -53,7 +53,6 @@ import re
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
 from hftatf import sparse
@@ -94,6 +93,8 @@ def usable_cores():
     """The number of CPU cores this process's operations run on: those it
     may run on, at most TensorFlow's intra-op threads where they are set
     (`tf.config.threading.set_intra_op_parallelism_threads`)."""
+    import tensorflow as tf
+
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
     else:
@@ -218,6 +219,8 @@ def spread_losses(losses, start, num_models):
     """The `[num_models]` vector holding a pass's `[count]` losses at its
     models' places and zeros elsewhere, for the optimizer's per-model loss
     scaling."""
+    import tensorflow as tf
+
     count = losses.shape[0]
     if isinstance(start, int):
         return ops.concatenate([
@@ -229,6 +232,8 @@ def spread_losses(losses, start, num_models):
 
 def stacked(template, num_passes):
     """A `tf.TensorArray` for one tensor like `template` per pass."""
+    import tensorflow as tf
+
     return tf.TensorArray(template.dtype, size=num_passes,
                           element_shape=template.shape)
 
@@ -236,6 +241,8 @@ def stacked(template, num_passes):
 def joined(array):
     """The passes' tensors in `array` (`stacked`) joined on their first
     axis: `[n, count, ...]` becomes `[n * count, ...]` (one copy)."""
+    import tensorflow as tf
+
     joined = array.stack()
     shape = tf.shape(joined)
     merged = tf.reshape(joined, tf.concat([[-1], shape[2:]], axis=0))
@@ -250,6 +257,8 @@ def concat_gradients(parts, starts, shape):
     """One `[B, ...]` gradient from the passes' `[k, ...]` ones (None where
     no pass has one). Sparse ones (`hftatf.sparse`) stay sparse: their
     rows move by each pass's first model."""
+    import tensorflow as tf
+
     if all(g is None for g in parts):
         return None
     rows = {sparse.rows_per_model(g, shape) for g in parts
@@ -306,7 +315,7 @@ class PassPlanning:
                 count = self.num_models
             elif setting != "auto":
                 count = setting
-            elif (compat.distribute_strategy(self) is not None
+            elif (not self.AUTO_PASSES or self._distributed()
                   or runs_on_accelerator()
                   or self._weights_assigned_in_training()
                   # Convolutional arrays without XLA: passes measured no

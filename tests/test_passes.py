@@ -3,13 +3,13 @@
 The oracle: B stock models trained with stock `fit` on model b's slice of
 everything, and the same array trained in one pass."""
 
+import contextlib
 import os
 
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from testing import assert_close
+from testing import BACKEND, assert_close
 
 import hftatf
 from hftatf import passes
@@ -100,9 +100,12 @@ def test_passes_draw_independent_randomness(monkeypatch, jit_compile):
     array.set_weights(same)
     array.compile(optimizer=hftatf.optimizers.SGD(0.1), loss=LOSS,
                   models_per_pass=1, jit_compile=jit_compile)
-    starts = traced_passes(monkeypatch)
+    starts = traced_passes(monkeypatch) if BACKEND == "tensorflow" else None
     array.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    assert any(tf.is_tensor(s) for s in starts) == jit_compile, starts
+    if starts is not None:
+        import tensorflow as tf
+
+        assert any(tf.is_tensor(s) for s in starts) == jit_compile, starts
     kernels = np.asarray(array.get_layer("h").kernel)
     for a in range(B):
         for b in range(a):
@@ -150,6 +153,8 @@ def test_models_per_pass_rejects_what_it_cannot_run(value):
         array.compile("sgd", loss=LOSS, models_per_pass=value)
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "passes on TensorFlow's CPU kernels; auto is one pass elsewhere"))
 def test_auto_fits_models_in_the_cache(monkeypatch):
     x, y, weights = data()
     array = hftatf.fuse(network(), B)
@@ -172,6 +177,8 @@ def test_auto_fits_models_in_the_cache(monkeypatch):
     assert array.models_per_pass == 2
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "passes on TensorFlow's CPU kernels; auto is one pass elsewhere"))
 def test_auto_keeps_convolutional_arrays_without_xla_in_one_pass(
         monkeypatch):
     # Measured no faster in passes without XLA (benchmarks/README.md);
@@ -196,7 +203,11 @@ def test_cache_size_is_read_from_the_system():
     assert isinstance(size, int) and size >= 2**16
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "tf.IndexedSlices gradients"))
 def test_pass_gradients_are_joined_on_the_model_axis():
+    import tensorflow as tf
+
     dense = passes.concat_gradients(
         [np.ones((2, 3), "float32"), 2 * np.ones((1, 3), "float32")],
         [0, 2], (3, 3))
@@ -210,6 +221,8 @@ def test_pass_gradients_are_joined_on_the_model_axis():
     assert passes.concat_gradients([None, None], [0, 1], (2,)) is None
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "passes on TensorFlow's CPU kernels; auto is one pass elsewhere"))
 def test_auto_keeps_one_pass_where_no_pass_array_can_be_built(monkeypatch):
     x, y, _ = data()
     array = hftatf.fuse(network(), B)
@@ -228,7 +241,11 @@ def test_auto_keeps_one_pass_where_no_pass_array_can_be_built(monkeypatch):
         array.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "TensorFlow's intra-op threads"))
 def test_cache_is_the_share_of_the_cores_the_process_uses(monkeypatch):
+    import tensorflow as tf
+
     # A virtual machine of 2 cores reporting its host's whole L3 as its own.
     monkeypatch.setattr(passes, "last_level_cache_bytes", lambda: 480 * 2**20)
     monkeypatch.setattr(passes, "usable_cores", lambda: 2)
@@ -274,7 +291,11 @@ def tagger(vocabulary=11):
     return keras.Model(ids, outputs)
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "a tf.while_loop over passes"))
 def test_equal_passes_under_xla_run_as_one_loop(monkeypatch):
+    import tensorflow as tf
+
     # 7 models in passes of 2: the first pass traced, the next two as one
     # loop, the last model on its own; every model computes what it
     # computes in one pass.
@@ -316,6 +337,8 @@ def multi_output():
                            keras.layers.Dense(3, name="b")(h)])
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "passes traced into a TensorFlow graph"))
 @pytest.mark.parametrize("builder, jit_compile", [
     (network, False),  # Traced pass by pass without XLA.
     (multi_output, True)])  # Each model's per-output loss trackers.
@@ -331,7 +354,11 @@ def test_passes_are_traced_one_by_one_where_a_loop_does_not_pay(
     assert starts and starts == list(range(B)) * (len(starts) // B)
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "tf.TensorArray"))
 def test_a_loop_over_passes_joins_their_outputs():
+    import tensorflow as tf
+
     passes_ = tf.TensorArray(tf.float32, size=3, element_shape=(2, 4))
     for i in range(3):
         passes_ = passes_.write(i, tf.fill((2, 4), float(i)))
@@ -368,7 +395,9 @@ def saturated_softmax():
 
 
 @pytest.mark.parametrize("setting", [
-    {"strategy": True},  # the replica step compiled on its own
+    # the replica step compiled on its own
+    pytest.param({"strategy": True}, marks=pytest.mark.backends(
+        "tensorflow", reason="a tf.distribute strategy")),
     {"models_per_pass": 1},
     {"models_per_pass": 1, "jit_compile": True},  # a loop over passes
 ])
@@ -377,9 +406,12 @@ def test_training_metrics_read_the_outputs_masks_and_logits(setting):
     # saturated softmax reads its logits. Both were lost (accuracy over
     # every step, 0.5 for 0.6; the metric 16.1 for 70.0).
     setting = dict(setting)
-    strategy = (tf.distribute.OneDeviceStrategy("/cpu:0")
-                if setting.pop("strategy", False)
-                else tf.distribute.get_strategy())
+    if setting.pop("strategy", False):
+        import tensorflow as tf
+
+        scope = tf.distribute.OneDeviceStrategy("/cpu:0").scope
+    else:
+        scope = contextlib.nullcontext
     ids = np.array([[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 0],
                     [7, 8, 9, 1]], "int32")
     tags = np.array([[0, 1, 0, 0], [1, 0, 0, 0], [0, 1, 1, 0],
@@ -393,17 +425,28 @@ def test_training_metrics_read_the_outputs_masks_and_logits(setting):
          "sparse_categorical_crossentropy")]
     for builder, inputs, labels, loss, metric in cases:
         keras.utils.set_random_seed(0)
-        with strategy.scope():
+        with scope():
             array = hftatf.fuse(builder(), B)
             stock = array.unfuse()
             array.compile(hftatf.optimizers.SGD(0.0), loss=loss,
                           metrics=[metric], **setting)
         history = array.fit(inputs, labels, batch_size=4, verbose=0).history
         for b, model in enumerate(stock):
-            with strategy.scope():
+            with scope():
                 model.compile(keras.optimizers.SGD(0.0), loss=loss,
                               metrics=[metric])
             expected = model.fit(inputs, labels, batch_size=4,
                                  verbose=0).history[metric][0]
             assert_close(history[f"{metric}_{b}"][0], expected,
                          err_msg=f"{builder.__name__}, model {b}")
+
+
+@pytest.mark.backends("jax", reason=(
+    "passes were measured to pay on TensorFlow's CPU kernels only"))
+def test_auto_is_one_pass_on_jax(monkeypatch):
+    monkeypatch.setattr(passes, "auto_models_per_pass", lambda *args: 1)
+    x, y, _ = data()
+    array = hftatf.fuse(network(), B)
+    array.compile("sgd", loss=LOSS)
+    array.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert array.models_per_pass == B

@@ -7,7 +7,6 @@ b's slice of everything."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from testing import assert_close
 
 import hftatf
@@ -147,6 +146,8 @@ def test_shared_sequence_labels_of_unknown_length_stay_shared(weight_shape):
     weights = None if weight_shape is None else rng.uniform(
         0.1, 2.0, weight_shape).astype("float32")
 
+    tf = pytest.importorskip("tensorflow")
+
     def dataset():
         parts = (x, y) if weights is None else (x, y, weights)
         return tf.data.Dataset.from_generator(
@@ -251,6 +252,8 @@ def test_steps_per_execution_and_jit_compile(steps_per_execution,
         assert_close(history[f"accuracy_{b}"], stock[b]["accuracy"])
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "XLA or TensorFlow's kernels: JAX compiles every step with XLA"))
 @pytest.mark.parametrize("layer, expected", [
     (lambda: keras.layers.Dense(4), True),
     (lambda: keras.layers.Conv1D(4, 3), False),
@@ -270,6 +273,8 @@ def test_auto_jit_compile_on_cpu_skips_convolutions(layer, expected):
     assert array.jit_compile is True
 
 
+@pytest.mark.backends("tensorflow", reason=(
+    "operations TensorFlow's XLA cannot compile"))
 @pytest.mark.parametrize("layer, expected", [
     (lambda: keras.layers.Resizing(4, 4, antialias=True), False),
     (lambda: keras.layers.Resizing(4, 4, interpolation="bicubic"), False),
@@ -311,9 +316,12 @@ def test_bilinear_upsampling_computes_as_the_stock_model(data_format):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"),
-                    reason="needs a GPU (HFTATF_TEST_GPU=1)")
+@pytest.mark.backends("tensorflow", reason=(
+    "XLA or TensorFlow's kernels: JAX compiles every step with XLA"))
 def test_auto_jit_compile_on_gpu_compiles_convolutions():
+    tf = pytest.importorskip("tensorflow")
+    if not tf.config.list_physical_devices("GPU"):
+        pytest.skip("needs a GPU (HFTATF_TEST_GPU=1)")
     inputs = keras.Input((8, 3))
     model = keras.Model(inputs, keras.layers.Flatten()(
         keras.layers.Conv1D(4, 3)(inputs)))
@@ -339,3 +347,16 @@ def test_a_loss_that_reduces_nothing_is_refused(loss):
     array = hftatf.fuse(two_headed(), B)
     with pytest.raises(ValueError, match="reduction=.*'sum'"):
         array.compile(optimizer=hftatf.optimizers.SGD(RATES), loss=loss)
+
+
+@pytest.mark.backends("jax", reason="the jit_compile rule of stock Keras")
+@pytest.mark.parametrize("layer", [
+    lambda: keras.layers.Dense(4), lambda: keras.layers.Conv1D(4, 3)])
+def test_auto_jit_compile_on_jax_compiles_every_step(layer):
+    # As stock Keras on JAX: XLA is JAX's compiler on every device.
+    inputs = keras.Input((8, 3))
+    model = keras.Model(inputs, keras.layers.Flatten()(layer()(inputs)))
+    array = hftatf.fuse(model, 2)
+    array.compile("sgd", loss="mse", jit_compile="auto")
+    model.compile("sgd", loss="mse", jit_compile="auto")
+    assert array.jit_compile is True and model.jit_compile is True

@@ -50,7 +50,7 @@ class ModelStatus(keras.metrics.Metric):
         gradients, turned non-finite."""
         diverging = ops.cast(diverging, self.dtype)
         self.diverged_at.assign(ops.where(
-            diverging > 0, ops.cast(step, self.dtype), self.diverged_at))
+            diverging > 0, ops.cast(step, self.dtype), self.diverged_at.value))
         self.diverged.assign(ops.maximum(self.diverged, diverging))
         self.active.assign(self.active * (1.0 - diverging))
         if in_update is not None:
@@ -95,7 +95,7 @@ class BatchProblems(keras.metrics.Metric):
                                       ops.cast(found, self.dtype)))
 
     def reset_state(self):
-        self.found.assign(ops.zeros_like(self.found))
+        self.found.assign(ops.zeros(self.found.shape, self.found.dtype))
 
     def result(self):
         return self.found
@@ -120,6 +120,13 @@ class DivergenceReport(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()
         self._epoch = 0
+        self._array = None
+
+    def set_model(self, model):
+        super().set_model(model)
+        # Read without `self.model`, which on JAX writes the whole training
+        # state back to the variables: `check_batch` reads one of them.
+        self._array = model
 
     def on_train_begin(self, logs=None):
         self.model._bad_batch.reset_state()
@@ -128,10 +135,10 @@ class DivergenceReport(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        steps = getattr(self.model, "steps_per_execution", 1) or 1
+        steps = getattr(self._array, "steps_per_execution", 1) or 1
         batches = (f"batch {batch}" if steps == 1 else
                    f"one of batches {max(batch - steps + 1, 0)}-{batch}")
-        self.model.check_batch(f"{batches} of epoch {self._epoch} "
+        self._array.check_batch(f"{batches} of epoch {self._epoch} "
                                "(counted from 0)")
 
     def on_epoch_end(self, epoch, logs=None):
@@ -266,12 +273,13 @@ class Divergence:
         for variable, value in zip(variables, values):
             variable.assign(ops.where(
                 to_model_rank(models, len(variable.shape)), value,
-                variable))
+                variable.value))
 
     def check_batch(self, where):
         """Raises if the last training batch was refused (what
         `BatchProblems` found wrong with it), naming it as `where`."""
-        found = ops.convert_to_numpy(self._bad_batch.found) > 0
+        found = ops.convert_to_numpy(
+            self._training_value(self._bad_batch.found)) > 0
         if not found.any():
             return
         self._bad_batch.reset_state()
@@ -383,7 +391,7 @@ class Divergence:
             for variable, before in zip(*state):
                 variable.assign(ops.where(
                     to_model_rank(training, len(variable.shape)),
-                    variable, before))
+                    variable.value, before))
         self._status.update_state(
             ops.logical_and(ops.logical_and(active, ops.logical_not(
                 training)), ops.logical_not(refused)),

@@ -56,6 +56,13 @@ from hftatf.core.compat import (
     model_supports_jit,
     set_keras_mask,
 )
+from hftatf.core.devices import has_accelerator
+from hftatf.layers import objects
+
+# Stock layers that XLA cannot compile on a CPU (TensorFlow 2.21), though
+# they set `supports_jit`: `FusedModel._has_layers_without_xla`.
+_LAYERS_WITHOUT_XLA = frozenset(
+    ("AugMix", "CutMix", "MixUp", "RandAugment", "RandomElasticTransform"))
 
 
 def _with_output_attributes(forward):
@@ -121,6 +128,59 @@ def _pass_values(values, roles, start, count):
 class TensorFlowTrainer:
     """Mixin of `FusedModel`: its steps on the TensorFlow backend (see the
     module docstring for what a backend trainer provides)."""
+
+    # `models_per_pass="auto"` may pick passes on a CPU (`hftatf.passes`).
+    AUTO_PASSES = True
+
+    def _batch_for_building(self, iterator):
+        """None: the per-model metrics are built when the step is traced
+        (taking a batch of a `PyDataset`'s iterator would run its epoch
+        hooks twice)."""
+        return None
+
+    def _training_value(self, variable):
+        """The value of the metric variable `variable` (the JAX trainer's
+        may be in the step's state)."""
+        return variable.value
+
+    def _distributed(self):
+        """Whether the array trains under a `tf.distribute` strategy."""
+        return compat.distribute_strategy(self) is not None
+
+    def _resolve_auto_jit_compile(self):
+        if self._distributed():
+            return False
+        if not model_supports_jit(self) or self._has_layers_without_xla():
+            return False
+        if has_accelerator():
+            return True
+        # On CPUs, XLA fuses an array's elementwise work and batched matmuls
+        # (faster, Transformers included, since their draws take keys
+        # straight from their seeds: `hftatf.seeds`), but its convolutions
+        # are slower than TensorFlow's oneDNN kernels, and it takes minutes
+        # to compile a deep convolutional network (benchmarks/README.md).
+        return not self._has_convolutions()
+
+    def _has_layers_without_xla(self):
+        """Whether a layer of the array computes with TensorFlow operations
+        that XLA cannot compile, though the layer says it supports XLA
+        (`supports_jit`): resizing other than nearest or bilinear, or with
+        antialiasing or padding to an aspect ratio, and mixing
+        augmentations that draw from a Gamma distribution or transform
+        with dynamic shapes. Stock Keras fails on them with
+        `jit_compile=True` too; `"auto"` leaves XLA off for them. Also
+        `UpSampling2D` other than nearest, which resizes to a size computed
+        in the graph: XLA's resize then computes other values than
+        TensorFlow's (stock Keras too, off by as much as the values)."""
+        return any(
+            type(layer).__name__ in _LAYERS_WITHOUT_XLA
+            or (isinstance(layer, keras.layers.UpSampling2D)
+                and layer.interpolation != "nearest")
+            or getattr(layer, "interpolation", "bilinear") not in (
+                "nearest", "bilinear")
+            or getattr(layer, "antialias", False)
+            or getattr(layer, "pad_to_aspect_ratio", False)
+            for layer in objects.all_layers(compat.inner_layers(self)))
 
     def make_train_function(self, force=False):
         """As Keras's, but the step (this class's `train_step`, or a

@@ -8,6 +8,8 @@ if keras.backend.backend() == "tensorflow":
     from hftatf.training.tensorflow_trainer import (
         TensorFlowTrainer as Trainer,
     )
+elif keras.backend.backend() == "jax":
+    from hftatf.training.jax_trainer import JAXTrainer as Trainer
 else:
     from hftatf.training.unsupported_trainer import (
         UnsupportedBackendTrainer as Trainer,

@@ -1,0 +1,289 @@
+"""The training step of an array on the JAX backend.
+
+As `keras/src/backend/jax/trainer.py`, the steps are stateless:
+`train_step(state, data) -> (logs, state)` over Keras's four state lists
+`(trainable_variables, non_trainable_variables, optimizer_variables,
+metrics_variables)`, compiled with `jax.jit` where `jit_compile` is on.
+The array's own state rides in `metrics_variables`: besides the per-model
+loss and metrics, which models still train (`ModelStatus`) and what was
+wrong with the last batch (`BatchProblems`).
+
+The step computes the `[B]` per-model losses and their gradients with
+`jax.value_and_grad` over a stateless forward pass, in passes of
+`models_per_pass` models where the array trains so (`hftatf.passes`; here
+each pass is a `stateless_call` of the pass's array on its slices of the
+values). Then, inside a `keras.StatelessScope` over the whole state, it
+runs what every backend shares: `apply_model_gradients` (divergence,
+masks, the fused optimizer) and the per-model metric tracking
+(`hftatf.training.losses`).
+
+Gradients are dense: stock Keras on JAX applies embedding gradients
+dense too.
+"""
+
+import warnings
+
+import jax
+import keras
+from keras import ops
+
+from hftatf import passes
+from hftatf.core import compat
+from hftatf.core.axis import concat_models, take_models
+from hftatf.distribution import check_distribution
+
+
+def _current(scope, variables, values):
+    """The values of `variables` at the end of `scope` (those it did not
+    assign keep `values`)."""
+    new = []
+    for variable, value in zip(variables, values):
+        current = scope.get_current_value(variable)
+        new.append(value if current is None else current)
+    return new
+
+
+def _pass_values(values, roles, start, count):
+    """Values for the pass of models `start:start + count`: the slices of
+    those that carry the model axis, the others whole."""
+    return [take_models(value, start, count) if sliced else value
+            for value, sliced in zip(values, roles)]
+
+
+class JAXTrainer:
+    """Mixin of `FusedModel`: its steps on the JAX backend (see the
+    module docstring, and `hftatf.training.tensorflow_trainer` for what a
+    backend trainer provides)."""
+
+    # `models_per_pass="auto"` keeps one pass: passes were measured to pay
+    # on TensorFlow's CPU kernels only.
+    AUTO_PASSES = False
+
+    @property
+    def metrics_variables(self):
+        return (super().metrics_variables + self._status.variables
+                + self._bad_batch.variables)
+
+    def _distributed(self):
+        """Whether a `keras.distribution` lays the array out over
+        devices."""
+        return keras.distribution.distribution() is not None
+
+    def make_train_function(self, force=False):
+        check_distribution(self.num_models)
+        # The arrays of the passes are built before the step is traced:
+        # building creates variables.
+        per_pass = self._models_per_pass_for(None)
+        for size in {stop - start for start, stop in passes.bounds(
+                self.num_models, per_pass)} - {self.num_models}:
+            self._pass_model(size)
+        super().make_train_function(force=force)
+        self.train_function = self._keeping_variables(
+            self.train_function, ("trainable_variables",
+                                  "non_trainable_variables",
+                                  "optimizer_variables", "metrics_variables"))
+        return self.train_function
+
+    def make_test_function(self, force=False):
+        super().make_test_function(force=force)
+        self.test_function = self._keeping_variables(
+            self.test_function, ("trainable_variables",
+                                 "non_trainable_variables",
+                                 "metrics_variables"))
+        return self.test_function
+
+    def make_predict_function(self, force=False):
+        super().make_predict_function(force=force)
+        self.predict_function = self._keeping_variables(
+            self.predict_function, ("trainable_variables",
+                                    "non_trainable_variables"))
+        return self.predict_function
+
+    def _keeping_variables(self, function, names):
+        """`function` (Keras's step over an iterator), which, where it
+        raises (a batch the array refuses), first gives the variables
+        their values back: Keras takes them out of the variables while
+        steps run, and `evaluate`, or a step that fails before the first
+        returns, would leave them empty."""
+        if getattr(function, "keeps_variables", False):
+            return function
+
+        def step(state, iterator):
+            try:
+                return function(state, iterator)
+            except Exception:
+                if not getattr(self, "_jax_state", None):
+                    self._jax_state = dict(zip(names, state))
+                    self._jax_state_synced = False
+                self.jax_state_sync()
+                raise
+
+        step.keeps_variables = True
+        return step
+
+    def _batch_for_building(self, iterator):
+        """A batch of `iterator` (None if none is given), as Keras's
+        `_symbolic_build` takes one: the per-model metrics are built
+        before their variables are gathered into the step's state."""
+        for _, _, data in iterator or ():
+            return data[0] if isinstance(data, (list, tuple)) else next(data)
+        return None
+
+    def _training_value(self, variable):
+        """The value of the metric variable `variable`: inside `fit`, where
+        the variables are written back at the end of each epoch only, the
+        value of the last step's state."""
+        state = getattr(self, "_jax_state", None)
+        if state and not self._jax_state_synced:
+            for ref, value in zip(self.metrics_variables,
+                                  state.get("metrics_variables", ())):
+                if ref is variable:
+                    return value
+        return variable.value
+
+    def _uses_replica_jit(self, jit_compile, run_eagerly):
+        # `jax.jit` compiles the whole step, distributed or not.
+        return False
+
+    def _state_variables(self):
+        """The variables of Keras's four state lists, list by list."""
+        return (self.trainable_variables, self.non_trainable_variables,
+                self.optimizer.variables if self.optimizer else [],
+                self.metrics_variables)
+
+    def stateless_scope(self, state):
+        """A `keras.StatelessScope` in which the array's variables read
+        their values in `state` (Keras's four state lists): the stateful
+        building blocks of a step (`model_state`, `apply_model_gradients`,
+        metric updates) run inside it in a custom JAX `train_step`, which
+        then returns `state_after(scope, state)`."""
+        return keras.StatelessScope(state_mapping=[
+            pair for variables, values in zip(self._state_variables(), state)
+            for pair in zip(variables, values)])
+
+    def state_after(self, scope, state):
+        """The four state lists at the end of `scope`
+        (`stateless_scope(state)`)."""
+        return tuple(_current(scope, variables, values) for variables, values
+                     in zip(self._state_variables(), state))
+
+    def train_step(self, state, data):
+        (trainable, non_trainable, optimizer_values,
+         metrics_values) = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if not self.trainable_weights:
+            warnings.warn("The array does not have any trainable weights.",
+                          stacklevel=2)
+        grad_fn = jax.value_and_grad(self._stateless_losses, has_aux=True)
+        (_, (losses, y_pred, updated, metrics_values)), gradients = grad_fn(
+            trainable, non_trainable, optimizer_values, metrics_values, x, y,
+            sample_weight)
+        state = (trainable, non_trainable, optimizer_values, metrics_values)
+        with self.stateless_scope(state) as scope:
+            # What the forward pass updated, given back to the models that
+            # do not take the step.
+            model_state = self.model_state()
+            for variable, value in zip(self.non_trainable_variables,
+                                       updated):
+                variable.assign(value)
+            self.apply_model_gradients(
+                [(self.optimizer, gradients, self.trainable_variables)],
+                losses, state=model_state,
+                data=(x, y, y_pred, sample_weight))
+            logs = self._track(x, y, y_pred, sample_weight, losses,
+                               training=True)
+        return logs, self.state_after(scope, state)
+
+    def test_step(self, state, data):
+        trainable, non_trainable, metrics_values = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        mapping = (list(zip(self.trainable_variables, trainable))
+                   + list(zip(self.non_trainable_variables, non_trainable))
+                   + list(zip(self.metrics_variables, metrics_values)))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            y_pred = self(x, training=False)
+            losses = self.compute_model_losses(
+                x, y, y_pred, sample_weight, training=False)
+            logs = self._track(x, y, y_pred, sample_weight, losses)
+        return logs, (
+            trainable,
+            _current(scope, self.non_trainable_variables, non_trainable),
+            _current(scope, self.metrics_variables, metrics_values))
+
+    def _stateless_losses(self, trainable, non_trainable, optimizer_values,
+                          metrics_values, x, y, sample_weight):
+        """The (scaled) sum of the per-model losses, for `jax.grad` over
+        `trainable`; and `(losses, y_pred, non_trainable, metrics)`: the
+        `[B]` losses, the predictions and the state the forward pass and
+        the compiled losses' trackers updated."""
+        mapping = (list(zip(self.non_trainable_variables, non_trainable))
+                   + list(zip(self.optimizer.variables, optimizer_values))
+                   + list(zip(self.metrics_variables, metrics_values)))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            per_pass = self._models_per_pass_for(x)
+            if per_pass < self.num_models:
+                y_pred, losses, non_trainable = self._losses_in_passes(
+                    trainable, non_trainable, x, y, sample_weight, per_pass)
+            else:
+                y_pred, non_trainable, added = self.stateless_call(
+                    trainable, non_trainable, x, training=True,
+                    return_losses=True)
+                losses = self._losses_of_models(
+                    range(self.num_models), y, y_pred, sample_weight, added,
+                    training=True)
+            loss = self.optimizer.scale_model_losses(losses)
+        metrics_values = _current(scope, self.metrics_variables,
+                                  metrics_values)
+        return loss, (losses, y_pred, non_trainable, metrics_values)
+
+    def _pass_model(self, count):
+        """The array of `count` models whose layers run a pass, and the
+        role of each variable (`passes.variable_roles`)."""
+        if count not in self._pass_models.models:
+            self._pass_models.models[count] = self._rebuilt(count)
+        model = self._pass_models.models[count]
+        for layer, twin in zip(
+                compat.inner_layers(self, include_self=False),
+                compat.inner_layers(model, include_self=False)):
+            twin.trainable = layer.trainable
+        roles = (passes.variable_roles(self.trainable_variables,
+                                       model.trainable_variables, count),
+                 passes.variable_roles(self.non_trainable_variables,
+                                       model.non_trainable_variables, count))
+        return model, roles
+
+    def _losses_in_passes(self, trainable, non_trainable, x, y,
+                          sample_weight, per_pass):
+        """The predictions, `[B]` losses and updated state of the forward
+        pass, computed `per_pass` models at a time (see `hftatf.passes`):
+        each pass runs its array on its slices of the weights and state;
+        the state without a model axis (seed generators) is carried from
+        pass to pass."""
+        carried = list(non_trainable)
+        parts = []
+        for start, stop in passes.bounds(self.num_models, per_pass):
+            count = stop - start
+            model, (trainable_roles, state_roles) = self._pass_model(count)
+            inputs = keras.tree.pack_sequence_as(x, [
+                t if shared else take_models(t, start, count, axis=1)
+                for t, shared in zip(keras.tree.flatten(x),
+                                     self._shared_inputs)])
+            y_pred, state, added = model.stateless_call(
+                _pass_values(trainable, trainable_roles, start, count),
+                _pass_values(carried, state_roles, start, count), inputs,
+                training=True, return_losses=True)
+            losses = self._losses_of_models(
+                range(start, stop), y, y_pred, sample_weight, added,
+                training=True)
+            parts.append((y_pred, losses, [
+                value if role else None
+                for value, role in zip(state, state_roles)]))
+            carried = [old if role else new for old, new, role in zip(
+                carried, state, state_roles)]
+        preds, losses, states = zip(*parts)
+        updated = [ops.concatenate([s[number] for s in states], axis=0)
+                   if states[0][number] is not None else value
+                   for number, value in enumerate(carried)]
+        y_pred = keras.tree.map_structure(
+            lambda *p: concat_models(list(p)), *preds)
+        return y_pred, ops.concatenate(losses, axis=0), updated

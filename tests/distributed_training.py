@@ -1,0 +1,74 @@
+"""Trains an array on 4 CPU devices under a `keras.distribution` and on
+one device, and prints what `test_jax_distribution.py` checks (JSON)."""
+
+import contextlib
+import json
+import sys
+
+import jax
+import keras
+import numpy as np
+
+import hftatf
+from hftatf.distribution import ModelAxisParallel
+
+B = 4
+
+
+def network():
+    x = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="relu")(x)
+    h = keras.layers.BatchNormalization()(h)
+    return keras.Model(x, keras.layers.Dense(3)(h))
+
+
+def train(distribution, initial):
+    keras.utils.set_random_seed(0)
+    with (distribution.scope() if distribution
+          else contextlib.nullcontext()):
+        array = hftatf.fuse(network(), B)
+        array.set_weights(initial)
+        array.compile(hftatf.optimizers.Adam([1e-3, 2e-3, 5e-3, 1e-2]),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True), metrics=["accuracy"])
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(32, 6)).astype("float32")
+        y = rng.integers(0, 3, (32,)).astype("int32")
+        history = array.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                            verbose=0).history
+    return array, history
+
+
+def main(case):
+    devices = keras.distribution.list_devices()
+    if case == "indivisible":
+        try:
+            ModelAxisParallel(6, devices)
+        except ValueError as error:
+            print(json.dumps({"error": str(error)}))
+        return
+    distribution = {
+        "models": lambda: ModelAxisParallel(B, devices),
+        "data": lambda: keras.distribution.DataParallel(devices=devices),
+        "models_and_batch": lambda: ModelAxisParallel(
+            B, devices, model_devices=2),
+    }[case]()
+    initial = hftatf.fuse(network(), B).get_weights()
+    ours, history = train(distribution, initial)
+    theirs, expected = train(None, initial)
+    difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                     for a, b in zip(ours.weights, theirs.weights))
+    kernel = ours.trainable_variables[0].value
+    spec = [a for a in kernel.sharding.spec] if hasattr(
+        kernel.sharding, "spec") else []
+    print(json.dumps({
+        "devices": len(jax.devices()),
+        "largest_difference": difference,
+        "losses_match": all(np.allclose(history[k], expected[k], rtol=1e-5,
+                                        atol=1e-6) for k in expected),
+        "kernel_spec": spec,
+    }))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
