@@ -15,8 +15,8 @@ setuptools.setup(
     name="hftatf",
     version=VERSION,
     description=(
-        "Horizontally fused training arrays for Keras 3 / TensorFlow: train B "
-        "same-architecture models as one fused model."
+        "Horizontally fused training arrays for Keras 3 (TensorFlow, JAX): "
+        "train B same-architecture models as one fused model."
     ),
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
@@ -32,6 +32,8 @@ setuptools.setup(
         "hftatf.models": "models",
         "hftatf.tpu": "tpu",
     },
+    # TensorFlow is the default backend (`pip install hftatf` is the
+    # TensorFlow install); the `jax` extra adds Keras's JAX backend.
     install_requires=[
         "tensorflow>=2.21,<2.22",
         "keras>=3.15,<4",
@@ -39,6 +41,9 @@ setuptools.setup(
         "numpy>=1.26",
     ],
     extras_require={
+        # Keras's JAX backend (KERAS_BACKEND=jax); on a GPU, JAX's own CUDA
+        # wheels (`jax[cuda12]`) instead.
+        "jax": ["jax>=0.4.30"],
         # The launcher's main job: its data and its plots.
         "data": ["scikit-learn>=1.4", "matplotlib>=3.8"],
         "plot": ["matplotlib>=3.8"],

@@ -1,4 +1,4 @@
-"""hftatf: horizontally fused training arrays for Keras 3 / TensorFlow.
+"""hftatf: horizontally fused training arrays for Keras 3 (TensorFlow, JAX).
 
 Train B same-architecture Keras models as one fused model:
 

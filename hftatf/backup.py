@@ -8,7 +8,8 @@ diverged status, random generator states and the state of the fit's
 per-model callbacks (`hftatf.callbacks.EarlyStopping`'s patience and best
 weights, `ReduceLROnPlateau`'s, `ModelCheckpoint`'s best values), so the
 run ends as an uninterrupted one would (given a deterministic input
-pipeline and `tf.config.experimental.enable_op_determinism()`). Stock
+pipeline and, on TensorFlow, `tf.config.experimental
+.enable_op_determinism()`). Stock
 callbacks start afresh, as they do after a stock `BackupAndRestore`.
 """
 

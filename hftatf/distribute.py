@@ -4,14 +4,15 @@ Arrays train under any strategy like stock Keras models: create the array
 and compile it inside `strategy.scope()`. `strategy_from_name` builds the
 usual ones from a string, as launchers take it from a flag, and fails fast
 with a clear message where the hardware is missing (never a hang waiting
-for a TPU that does not answer).
+for a TPU that does not answer). Strategies are TensorFlow's, for Keras's
+TensorFlow backend: TensorFlow is imported when one is made.
 """
 
 import os
 import socket
 import urllib.parse
 
-import tensorflow as tf
+from hftatf.core.optional import tensorflow_backend
 
 STRATEGIES = ("auto", "tpu", "mirrored", "cpu")
 
@@ -38,12 +39,15 @@ def strategy_from_name(name="auto", tpu=None, zone=None, project=None):
             `project` only matter for a TPU given by name on Cloud).
 
     Raises:
-        ValueError: for an unknown name, or a TPU that cannot be reached.
+        ValueError: for an unknown name, a TPU that cannot be reached, or a
+            Keras backend other than TensorFlow.
+        ImportError: where TensorFlow is not installed.
     """
     if name not in STRATEGIES:
         raise ValueError(
             f"Unknown strategy {name!r}; expected one of "
             f"{', '.join(STRATEGIES)}.")
+    tf = _tensorflow(name)
     if name == "auto":
         if tpu is not None or _on_tpu_vm():
             return _tpu_strategy(tpu or "local", zone, project)
@@ -62,6 +66,11 @@ def strategy_from_name(name="auto", tpu=None, zone=None, project=None):
         cpus = [d.name for d in tf.config.list_logical_devices("CPU")]
         return tf.distribute.MirroredStrategy(cpus)
     return tf.distribute.OneDeviceStrategy("/cpu:0")
+
+
+def _tensorflow(name):
+    return tensorflow_backend(
+        f"The tf.distribute strategy {name!r} (hftatf.distribute)")
 
 
 def _on_tpu_vm():
@@ -86,6 +95,7 @@ def _tpu_strategy(tpu, zone, project):
     if tpu.startswith("grpc://"):
         _check_reachable(tpu)
     resolver = _tpu_resolver(tpu, zone, project)
+    tf = _tensorflow("tpu")
     try:
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
@@ -100,6 +110,7 @@ def _tpu_resolver(tpu, zone, project):
     ValueError naming it, not the bare network error of the resolver's
     look-up (off Cloud, the metadata server and the TPU API are not
     there)."""
+    tf = _tensorflow("tpu")
     try:
         return tf.distribute.cluster_resolver.TPUClusterResolver(
             tpu=tpu, zone=zone, project=project)

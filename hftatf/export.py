@@ -24,10 +24,15 @@ import zipfile
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from hftatf.core import hooks
 from hftatf.core.logs import as_given, split_logs, weights_epoch
+from hftatf.core.optional import (
+    imported_tensorflow,
+    tensorflow,
+    tensorflow_backend,
+    tensorflow_installed,
+)
 from hftatf.core.version import __version__
 from hftatf.fuse import (
     check_array,
@@ -51,6 +56,12 @@ _FUSE_ADVICE = "Fuse plain models first with hftatf.fuse_models."
 
 # What `export_models` can write for each model.
 FORMATS = ("keras", "saved_model", "checkpoint")
+
+# What each format needs beyond Keras: a SavedModel is written by
+# TensorFlow (from any backend), a TF checkpoint holds TensorFlow variables
+# (the TensorFlow backend's).
+_SAVED_MODEL_FEATURE = "A TensorFlow SavedModel (format='saved_model')"
+_CHECKPOINT_FEATURE = "A TF checkpoint (format='checkpoint')"
 
 # File names inside a model directory `model_{b}/`.
 KERAS_FILE = "model.keras"
@@ -129,17 +140,31 @@ def model_diverged(array, index):
     return bool(np.asarray(keras.ops.convert_to_numpy(diverged))[index])
 
 
+def default_formats():
+    """What `export_models` writes by default: every format of `FORMATS`
+    that this installation can write (the `.keras` file everywhere; the
+    SavedModel where TensorFlow is installed; the TF checkpoint on the
+    TensorFlow backend)."""
+    if keras.backend.backend() == "tensorflow":
+        return FORMATS
+    return ("keras", "saved_model") if tensorflow_installed() else (
+        "keras",)
+
+
 def library_versions():
-    """The versions an export was written with."""
+    """The versions an export was written with (TensorFlow's None where
+    the process did not import it) and the Keras backend."""
+    tf = imported_tensorflow()
     return {"hftatf": __version__,
             "keras": keras.__version__,
-            "tensorflow": tf.__version__,
+            "backend": keras.backend.backend(),
+            "tensorflow": None if tf is None else tf.__version__,
             "numpy": np.__version__,
             "python": platform.python_version()}
 
 
 @hooks.provides("export_models")
-def export_models(array, directory, history=None, format=FORMATS):
+def export_models(array, directory, history=None, format=None):
     """Writes every model of `array` as a plain Keras model.
 
     For model `b`, `directory/model_{b}/` receives:
@@ -152,9 +177,10 @@ def export_models(array, directory, history=None, format=FORMATS):
       * `saved_model/` (format `"saved_model"`): a TensorFlow SavedModel
         for serving, with the stock model's input signature under
         `serving_default` (`tf.saved_model.load(path).serve(x)` runs it);
-      * `checkpoint/model.*` (format `"checkpoint"`): a TF checkpoint of
-        the plain model's variables, restored into a stock model `m` of the
-        same architecture by `tf.train.Checkpoint(model=m).read(path)`;
+      * `checkpoint/model.*` (format `"checkpoint"`, TensorFlow backend
+        only): a TF checkpoint of the plain model's variables, restored
+        into a stock model `m` of the same architecture by
+        `tf.train.Checkpoint(model=m).read(path)`;
       * `config.json`: the stock architecture
         (`keras.saving.deserialize_keras_object` rebuilds it);
       * `metadata.json`: its index, optimizer hyper-parameters, metrics
@@ -192,8 +218,16 @@ def export_models(array, directory, history=None, format=FORMATS):
         history: a `keras.callbacks.History` (what `fit` returns) or its
             `history` dict; defaults to the array's last `fit`.
         format: what to write for each model: one of `"keras"`,
-            `"saved_model"`, `"checkpoint"` or a sequence of them; all by
-            default. `load_models` needs `"keras"` or `"checkpoint"`.
+            `"saved_model"`, `"checkpoint"` or a sequence of them; by
+            default all that this installation writes
+            (`default_formats()`: all three on the TensorFlow backend; on
+            another, the `.keras` file, and the SavedModel where TensorFlow
+            is installed). `load_models` needs `"keras"` or
+            `"checkpoint"`.
+
+    Raises:
+        ImportError: for `"saved_model"` where TensorFlow is not installed.
+        ValueError: for `"checkpoint"` on a backend other than TensorFlow.
 
     Returns:
         The list of the B model directories.
@@ -275,12 +309,20 @@ def _earlier_model_dirs(directory):
 
 
 def _check_formats(format):
+    """The formats `format` asks for; the TensorFlow they need is checked
+    (and imported) before anything is written."""
+    if format is None:
+        return default_formats()
     formats = (format,) if isinstance(format, str) else tuple(format)
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         raise ValueError(
             f"`format` must be one of {FORMATS} or a non-empty sequence of "
             f"them. Received: format={format!r}.")
+    if "saved_model" in formats:
+        tensorflow(_SAVED_MODEL_FEATURE)
+    if "checkpoint" in formats:
+        tensorflow_backend(_CHECKPOINT_FEATURE)
     return formats
 
 
@@ -296,7 +338,8 @@ def _write_model(model, path, formats, compile=None):
         model.export(str(path / SAVED_MODEL_DIR), verbose=False)
         files["saved_model"] = SAVED_MODEL_DIR
     if "checkpoint" in formats:
-        tf.train.Checkpoint(model=model).write(str(path / CHECKPOINT_PREFIX))
+        tensorflow_backend(_CHECKPOINT_FEATURE).train.Checkpoint(
+            model=model).write(str(path / CHECKPOINT_PREFIX))
         files["checkpoint"] = CHECKPOINT_PREFIX
     if "keras" in formats:
         if compile is not None:
@@ -550,6 +593,7 @@ def _restore_checkpoint(config_path, prefix, custom_objects=None):
     _import_zoo_modules(config)
     model = keras.saving.deserialize_keras_object(
         config, custom_objects=custom_objects)
+    tf = tensorflow_backend(f"Reading the TF checkpoint at '{prefix}'")
     tf.train.Checkpoint(model=model).read(
         str(prefix)).assert_existing_objects_matched()
     finalize_derived_state(model)

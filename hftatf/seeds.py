@@ -21,47 +21,54 @@ already (an array draws one mask over the batches of all its models).
 """
 
 import contextlib
+import functools
 import threading
 
-import tensorflow as tf
-
 from hftatf.core import compat
+from hftatf.core.optional import tensorflow
 
-random_ops_util = compat.tensorflow_random_ops_util()
-
-# The TensorFlow function that turns a `[2]` seed into a key and counter for
-# its stateless random ops, the `alg` it hashes for (the default,
-# "auto_select"), and the function that packs two 32-bit words into one
-# 64-bit key. Any absent in another TensorFlow version: draws keep the hash.
-_KEY_COUNTER = getattr(random_ops_util, "_get_key_counter", None)
-_UINT32S_TO_UINT64 = getattr(random_ops_util, "_uint32s_to_uint64", None)
-_AUTO_SELECT = getattr(getattr(random_ops_util, "Algorithm", None),
-                       "AUTO_SELECT", None)
 # Philox's counter is two 64-bit words; ThreeFry uses the first.
 _COUNTER_WORDS = 2
 _lock = threading.RLock()
 _depth = 0
 
 
+@functools.cache
+def _tensorflow_parts():
+    """TensorFlow's module that turns a `[2]` seed into a key and counter
+    for its stateless random ops, the function of it that does, the `alg`
+    it hashes for (the default, "auto_select"), and the function that packs
+    two 32-bit words into one 64-bit key. Any of the last three is None in
+    a TensorFlow version without it: draws then keep the hash."""
+    random_ops_util = compat.tensorflow_random_ops_util()
+    return (random_ops_util,
+            getattr(random_ops_util, "_get_key_counter", None),
+            getattr(random_ops_util, "_uint32s_to_uint64", None),
+            getattr(getattr(random_ops_util, "Algorithm", None),
+                    "AUTO_SELECT", None))
+
+
 def key_counter_from_seed(seed):
     """The key and counter a stateless draw takes from a `[2]` integer
     seed, without a hash: the seed's two 32-bit words as one 64-bit key,
     and a zero counter."""
+    tf = tensorflow("Drawing with TensorFlow's stateless random ops")
     words = tf.cast(seed, tf.uint32)
-    key = tf.reshape(_UINT32S_TO_UINT64(words), [1])
+    key = tf.reshape(_tensorflow_parts()[2](words), [1])
     return key, tf.zeros([_COUNTER_WORDS], tf.uint64)
 
 
 def _key_counter(seed, alg):
-    if alg == _AUTO_SELECT.value:
+    _, key_counter, _, auto_select = _tensorflow_parts()
+    if alg == auto_select.value:
         return key_counter_from_seed(seed)
-    return _KEY_COUNTER(seed, alg)
+    return key_counter(seed, alg)
 
 
 def supported():
     """Whether this TensorFlow lets `keys_from_seeds` change how draws
     take their keys."""
-    return None not in (_KEY_COUNTER, _UINT32S_TO_UINT64, _AUTO_SELECT)
+    return None not in _tensorflow_parts()[1:]
 
 
 @contextlib.contextmanager
@@ -75,6 +82,7 @@ def keys_from_seeds():
     if not supported():
         yield
         return
+    random_ops_util, key_counter = _tensorflow_parts()[:2]
     with _lock:
         if _depth == 0:
             random_ops_util._get_key_counter = _key_counter
@@ -85,4 +93,4 @@ def keys_from_seeds():
         with _lock:
             _depth -= 1
             if _depth == 0:
-                random_ops_util._get_key_counter = _KEY_COUNTER
+                random_ops_util._get_key_counter = key_counter

@@ -1,7 +1,9 @@
 """One TensorFlow SavedModel that serves every model of an array.
 
-`export_serving` writes it; `move_into_place` is how it, and
-`hftatf.export_models`, put a complete directory where an earlier one was.
+`export_serving` writes it, from any Keras backend where TensorFlow is
+installed (Keras converts a JAX array with `jax2tf`); `move_into_place`
+is how it, and `hftatf.export_models`, put a complete directory where an
+earlier one was.
 """
 
 import pathlib
@@ -9,9 +11,9 @@ import shutil
 import tempfile
 
 import keras
-import tensorflow as tf
 
 from hftatf.core.compat import inner_layers
+from hftatf.core.optional import tensorflow
 from hftatf.fuse import check_array, fuse
 from hftatf.graph import input_structure, weighted_layers
 from hftatf.layers.layer_state import (
@@ -25,6 +27,10 @@ from hftatf.layers.layer_state import (
 SAVED_MODEL_ENTRIES = frozenset(
     {"saved_model.pb", "saved_model.pbtxt", "variables", "assets",
      "assets.extra", "fingerprint.pb", "keras_metadata.pb"})
+
+
+# What TensorFlow is imported for here.
+SERVING_FEATURE = "hftatf.export_serving (a TensorFlow SavedModel)"
 
 
 def move_into_place(source, target, staging):
@@ -77,9 +83,13 @@ def export_serving(array, directory):
 
     Returns:
         `directory` as a `pathlib.Path`.
+
+    Raises:
+        ImportError: where TensorFlow is not installed.
     """
     check_array(array, "hftatf.export_serving",
                 "Fuse plain models first with hftatf.fuse_models.")
+    tensorflow(SERVING_FEATURE)
     directory = pathlib.Path(directory)
     _check_replaceable(directory)
     stock = None if array.source_config is None else array.stock_model()
@@ -145,6 +155,7 @@ def _input_specs(array, shared):
     if `shared`, `[batch, B, ...]` if not, the array's own layout if None."""
     structure = input_structure(array)
     flat = keras.tree.flatten(structure)
+    tf = tensorflow(SERVING_FEATURE)
     specs = []
     for tensor, own in zip(flat, array.shared_inputs):
         shape = list(tensor.shape)
@@ -225,7 +236,7 @@ def _bound_call(model, mapping):
 
     def value(variable):
         if id(variable) in fixed:
-            return tf.constant(fixed[id(variable)])
+            return keras.ops.convert_to_tensor(fixed[id(variable)])
         source, index = mapping[id(variable)]
         return source.value if index is None else source.value[index]
 

@@ -17,16 +17,32 @@ them per model (`R = 1`: rows of the model axis itself, as `tf.gather` on
 the weight gives). The functions here read one such gradient per model;
 `dense(gradient, variable.shape)` makes it dense (`tf.convert_to_tensor`
 gives the flattened `[B * R, ...]`).
+
+Only TensorFlow makes sparse gradients (Keras on JAX applies embedding
+gradients dense), so this module imports TensorFlow only where it is given
+one.
 """
 
 import math
 
-import tensorflow as tf
 from keras import ops
+
+from hftatf.core.optional import imported_tensorflow, tensorflow
+
+
+def _tf():
+    return tensorflow("A sparse (tf.IndexedSlices) gradient")
+
+
+def _segment_reduction(name):
+    """TensorFlow's `tf.math.{name}`, imported where it is called: only a
+    sparse gradient's rows are joined by it."""
+    return lambda *args: getattr(_tf().math, name)(*args)
 
 
 def is_sparse(gradient):
-    return isinstance(gradient, tf.IndexedSlices)
+    tf = imported_tensorflow()
+    return tf is not None and isinstance(gradient, tf.IndexedSlices)
 
 
 def rows_per_model(gradient, shape):
@@ -49,12 +65,13 @@ def dense(gradient, shape):
     summed), or unchanged where it is dense already."""
     if not is_sparse(gradient):
         return gradient
-    return ops.reshape(tf.convert_to_tensor(gradient), shape)
+    return ops.reshape(_tf().convert_to_tensor(gradient), shape)
 
 
 def identity(gradient):
     """`tf.identity` of a dense or sparse gradient (of each of its
     parts)."""
+    tf = _tf()
     if not is_sparse(gradient):
         return tf.identity(gradient)
     return tf.IndexedSlices(tf.identity(gradient.values),
@@ -67,7 +84,7 @@ def with_values(gradient, values):
     for a dense gradient, `values` itself)."""
     if not is_sparse(gradient):
         return values
-    return tf.IndexedSlices(values, gradient.indices, gradient.dense_shape)
+    return _tf().IndexedSlices(values, gradient.indices, gradient.dense_shape)
 
 
 def at_rows(tensor, gradient, num_models):
@@ -95,6 +112,7 @@ def merged(gradient, models, num_models):
                      ops.cast(indices, "int64"),
                      ops.cast(gradient.dense_shape[0], "int64")
                      + ops.arange(ops.shape(indices)[0], dtype="int64"))
+    tf = _tf()
     keys, segments = tf.unique(keys)
     count = ops.shape(keys)[0]
     return tf.IndexedSlices(
@@ -120,7 +138,7 @@ def sum_per_model(gradient, num_models, values):
     `gradient`, `[n, ...]`)."""
     return reduce_per_model(with_values(gradient, values), num_models,
                             lambda rows: ops.sum(rows, axis=1),
-                            tf.math.unsorted_segment_sum)
+                            _segment_reduction("unsorted_segment_sum"))
 
 
 def finite_per_model(tensor, num_models):
@@ -129,7 +147,7 @@ def finite_per_model(tensor, num_models):
     return reduce_per_model(
         tensor, num_models,
         lambda rows: ops.cast(ops.all(ops.isfinite(rows), axis=1), "int32"),
-        tf.math.unsorted_segment_min) > 0
+        _segment_reduction("unsorted_segment_min")) > 0
 
 
 def offset(gradient, start, count):

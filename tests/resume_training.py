@@ -10,14 +10,17 @@ import sys
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import hftatf
 from hftatf.backup import BackupAndRestore
 
 backup_dir, out, kill_epoch, kill_batch = (
     sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
-tf.config.experimental.enable_op_determinism()
+if keras.backend.backend() == "tensorflow":
+    # (JAX's computations on a CPU are deterministic already.)
+    import tensorflow as tf
+
+    tf.config.experimental.enable_op_determinism()
 keras.utils.set_random_seed(0)
 
 

@@ -21,6 +21,11 @@ from hftatf import passes
 
 B = 3
 
+# A layer call traced by `tf.function` (as a graph, compiled by XLA, or with
+# an unknown batch size): how the TensorFlow backend runs a step.
+TF_FUNCTION = pytest.mark.backends(
+    "tensorflow", reason="traces the layer with tf.function")
+
 
 class ModelsFirst(keras.layers.Layer):
     """Runs a fused layer built with `models_first=True` on `[batch, B,
@@ -103,6 +108,7 @@ def test_dense_with_models_first_computes_as_stock(shape, num_models,
     compare_layer_with_stock(stock, wrapped, [x], rng)
 
 
+@pytest.mark.backends("tensorflow", reason="reads TensorFlow's graph ops")
 def test_dense_with_models_first_is_one_product_without_transposes():
     import tensorflow as tf
 
@@ -149,18 +155,20 @@ def _dropouts(layout_first, **config):
     ((5, 4, 4, 3), (None, 1, 1, 3)),
     ((6, 7), (None, 7)),
 ])
-@pytest.mark.parametrize("compiled", [None, "graph", "xla", "unknown_batch"])
+@pytest.mark.parametrize("compiled", [
+    None, *(pytest.param(mode, marks=TF_FUNCTION)
+            for mode in ("graph", "xla", "unknown_batch"))])
 def test_dropout_with_models_first_draws_the_masks_of_the_other_layout(
         shape, noise_shape, compiled):
     # (A dropout with one mask for the whole batch, `noise_shape=(1, ...)`,
     # runs once per model instead: test_fold.)
-    import tensorflow as tf
-
     config = dict(rate=0.4, noise_shape=noise_shape, seed=11)
     second, first = _dropouts(False, **config), _dropouts(True, **config)
     assert first.models_first and not second.models_first
     x = np.random.default_rng(8).uniform(1.0, 2.0, (shape[0], B, *shape[1:]))
-    x = tf.constant(x.astype("float32"))
+    x = ops.convert_to_tensor(x.astype("float32"))
+    if compiled is not None:
+        import tensorflow as tf
 
     def call(layer, inputs):
         return layer(inputs, training=True)
@@ -236,11 +244,10 @@ def test_one_model_with_models_first_computes_as_stock(stock_class, config,
 
 @pytest.mark.parametrize("shape", [(6, 5, 5, 4), (6, 7, 4), (4, 3, 3, 3, 2)])
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False, pytest.param(True,
+                                                      marks=TF_FUNCTION)])
 def test_batch_normalization_with_models_first_computes_as_stock(
         shape, training, jit):
-    import tensorflow as tf
-
     rng = np.random.default_rng(1)
     stock, wrapped = _stock_and_fused(
         keras.layers.BatchNormalization, shape, rng, momentum=0.9,
@@ -251,6 +258,8 @@ def test_batch_normalization_with_models_first_computes_as_stock(
         compare_layer_with_stock(stock, wrapped, [x], rng, training=training)
         return
     # Under XLA the moments are plain sums, not the fused kernels.
+    import tensorflow as tf
+
     before = wrapped.get_weights()
     compiled = tf.function(lambda v: wrapped(v, training=training),
                            jit_compile=True)

@@ -4,10 +4,14 @@ their seeds (`hftatf.seeds`)."""
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import hftatf
 from hftatf import seeds
+
+pytestmark = pytest.mark.backends(
+    "tensorflow", reason="hftatf.seeds changes how TensorFlow's stateless "
+    "random ops take their keys; JAX draws from its keys already")
+tf = pytest.importorskip("tensorflow")
 
 SHAPE = (100_000,)
 AUTO_SELECT = 3  # TensorFlow's default stateless algorithm.
@@ -31,12 +35,17 @@ def test_draws_in_the_context_take_the_seed_bits_as_key():
     np.testing.assert_array_equal(uniform([3, 7]), hashed)
 
 
+# The pieces `seeds._tensorflow_parts` finds after the module itself.
 @pytest.mark.parametrize("missing", [
-    "_KEY_COUNTER", "_UINT32S_TO_UINT64", "_AUTO_SELECT"])
+    "_get_key_counter", "_uint32s_to_uint64", "Algorithm.AUTO_SELECT"])
 def test_without_any_tensorflow_piece_it_needs_the_context_changes_nothing(
         monkeypatch, missing):
     hashed = uniform([5, 9])
-    monkeypatch.setattr(seeds, missing, None)
+    module, *pieces = seeds._tensorflow_parts()
+    pieces[["_get_key_counter", "_uint32s_to_uint64",
+            "Algorithm.AUTO_SELECT"].index(missing)] = None
+    monkeypatch.setattr(seeds, "_tensorflow_parts",
+                        lambda: (module, *pieces))
     assert not seeds.supported()
     with seeds.keys_from_seeds():
         np.testing.assert_array_equal(uniform([5, 9]), hashed)

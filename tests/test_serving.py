@@ -7,12 +7,17 @@ import textwrap
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 from testing import assert_close
 
 import hftatf
 
 NUM_MODELS = 2
+
+
+def load(path):
+    """The SavedModel at `path`, read by TensorFlow (which writes it from
+    either backend)."""
+    return pytest.importorskip("tensorflow").saved_model.load(str(path))
 
 
 def mlp():
@@ -64,7 +69,7 @@ def test_signatures_serve_every_layout_and_every_model(tmp_path):
     models = [trained_like(mlp, seed) for seed in range(NUM_MODELS)]
     array = hftatf.fuse_models(models)
     hftatf.export_serving(array, tmp_path / "serving")
-    served = tf.saved_model.load(str(tmp_path / "serving"))
+    served = load(tmp_path / "serving")
     assert set(served.signatures) == {
         "serving_default", "shared", "per_model", "model_0", "model_1"}
     shared = served.signatures["shared"]
@@ -91,7 +96,7 @@ def test_signatures_serve_every_layout_and_every_model(tmp_path):
         assert_close(single, model.predict(x, verbose=0))
     # The variables are stored once, stacked, not once per signature.
     assert sorted(v.shape.as_list() for v in served.variables
-                  if v.dtype == tf.float32) == sorted(
+                  if v.dtype == "float32") == sorted(
         list(w.shape) for w in array.weights if w.dtype == "float32")
 
 
@@ -146,7 +151,7 @@ def test_array_of_per_model_inputs_serves_shared_inputs_too(tmp_path):
     models = [trained_like(mlp, seed) for seed in range(NUM_MODELS)]
     array = hftatf.fuse_models(models, shared_inputs=False)
     hftatf.export_serving(array, tmp_path / "serving")
-    served = tf.saved_model.load(str(tmp_path / "serving"))
+    served = load(tmp_path / "serving")
     default = served.signatures["serving_default"]
     assert default.structured_input_signature[1]["x"].shape.as_list() == [
         None, NUM_MODELS, 5]
@@ -163,7 +168,7 @@ def test_mixed_layout_gets_its_own_endpoint(tmp_path):
     models = [trained_like(two_inputs, seed) for seed in range(NUM_MODELS)]
     array = hftatf.fuse_models(models, shared_inputs=[True, False])
     hftatf.export_serving(array, tmp_path / "serving")
-    served = tf.saved_model.load(str(tmp_path / "serving"))
+    served = load(tmp_path / "serving")
     assert "serve" in served.signatures
     rng = np.random.default_rng(3)
     a = sample(rng, (4, 4))
@@ -192,7 +197,7 @@ def test_array_without_stock_architecture_slices_the_fused_graph(tmp_path):
     y = hftatf.layers.FusedDense(NUM_MODELS, 3)(h)
     array = hftatf.FusedModel(x, y, num_models=NUM_MODELS)
     hftatf.export_serving(array, tmp_path / "serving")
-    served = tf.saved_model.load(str(tmp_path / "serving"))
+    served = load(tmp_path / "serving")
     # Per-model inputs cannot reach an array built for shared ones.
     assert "per_model" not in served.signatures
     inputs = sample(np.random.default_rng(4), (3, 5))
@@ -215,19 +220,21 @@ def test_export_replaces_an_earlier_one_whole(tmp_path):
     hftatf.export_serving(first, tmp_path / "serving")
     hftatf.export_serving(second, tmp_path / "serving")
     assert [p.name for p in tmp_path.iterdir()] == ["serving"]
-    served = tf.saved_model.load(str(tmp_path / "serving"))
+    served = load(tmp_path / "serving")
     inputs = sample(np.random.default_rng(6), (3, 5))
     assert_close(served.shared(inputs), second.predict(inputs, verbose=0))
 
 
+@pytest.mark.backends("tensorflow", reason="tf.distribute strategies")
 def test_distributed_array_is_served_from_its_values(tmp_path):
+    tf = pytest.importorskip("tensorflow")
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     models = [trained_like(mlp, seed) for seed in range(NUM_MODELS)]
     with strategy.scope():
         array = hftatf.fuse_models(models)
     assert "Mirrored" in type(array.weights[0].value).__name__
     hftatf.export_serving(array, tmp_path / "serving")
-    served = tf.saved_model.load(str(tmp_path / "serving"))
+    served = load(tmp_path / "serving")
     x = sample(np.random.default_rng(5), (4, 5))
     for b, model in enumerate(models):
         assert_close(served.signatures[f"model_{b}"](x=x)["output_0"],
@@ -267,6 +274,6 @@ def test_writes_into_an_empty_directory(tmp_path):
     (tmp_path / "serving").mkdir()
     array = served_array()
     hftatf.export_serving(array, tmp_path / "serving")
-    served = tf.saved_model.load(str(tmp_path / "serving"))
+    served = load(tmp_path / "serving")
     inputs = sample(np.random.default_rng(7), (3, 5))
     assert_close(served.shared(inputs), array.predict(inputs, verbose=0))

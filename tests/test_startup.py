@@ -26,9 +26,16 @@ print(int(tf.constant(1) + 1))
 """
 
 
-def run_probe(*argv, **environ):
+def tensorflow_environ():
+    """This process' environment for a launcher on the TensorFlow backend
+    (whose notes these tests are about), with no log level set."""
     env = {key: value for key, value in os.environ.items()
            if key != "TF_CPP_MIN_LOG_LEVEL"}
+    return {**env, "KERAS_BACKEND": "tensorflow"}
+
+
+def run_probe(*argv, **environ):
+    env = tensorflow_environ()
     env.update(environ)
     return subprocess.run([sys.executable, "-c", PROBE, *argv], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -68,6 +75,16 @@ def test_only_launchers_and_only_unless_asked():
     assert not startup.asks_for_tensorflow_logs(["--verbose=2"])
 
 
+def test_the_backend_is_read_as_keras_reads_it(tmp_path):
+    (tmp_path / "keras.json").write_text('{"backend": "jax"}')
+    assert startup.keras_backend_setting({"KERAS_HOME": str(tmp_path)}) == (
+        "jax")
+    assert startup.keras_backend_setting({
+        "KERAS_HOME": str(tmp_path), "KERAS_BACKEND": "torch"}) == "torch"
+    assert startup.keras_backend_setting(
+        {"KERAS_HOME": str(tmp_path / "none")}) == "tensorflow"
+
+
 def test_warnings_and_errors_are_kept():
     text = ("WARNING: All log messages before absl::InitializeLog() is "
             "called are written to STDERR\n"
@@ -81,8 +98,7 @@ def test_warnings_and_errors_are_kept():
 
 @pytest.mark.slow
 def test_the_launcher_command_runs_quietly(tmp_path):
-    env = {key: value for key, value in os.environ.items()
-           if key != "TF_CPP_MIN_LOG_LEVEL"}
+    env = tensorflow_environ()
     result = subprocess.run(
         [sys.executable, "-m", "hftatf.tpu.train", "--epochs=1",
          "--train_steps=1", "--eval_steps=1", "--export_dir=",
@@ -90,3 +106,61 @@ def test_the_launcher_command_runs_quietly(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert notes(result.stderr) == [], result.stderr
+
+
+# `import hftatf` on JAX, then what it imported, and what the TF-only
+# features say without TensorFlow (blocked as if not installed: argv[1]).
+JAX_PROBE = """
+import sys
+if sys.argv[1] == "blocked":
+    sys.modules["tensorflow"] = None
+import hftatf
+import keras
+print(sorted(m for m in sys.modules if m.split(".")[0] == "tensorflow"
+             and sys.modules[m] is not None))
+features = (lambda: hftatf.callbacks.TensorBoard("logs"),
+            lambda: hftatf.export_models(
+                hftatf.fuse(keras.Sequential([keras.Input((4,)),
+                                              keras.layers.Dense(2)]), 2),
+                "out", format="saved_model"))
+for feature in features if sys.argv[1] == "blocked" else ():
+    try:
+        feature()
+    except ImportError as error:
+        print(type(error).__name__, error)
+"""
+
+
+def run_on_jax(directory, *argv):
+    env = {**os.environ, "KERAS_BACKEND": "jax", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", JAX_PROBE, *argv],
+                            env=env, cwd=directory, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.splitlines()
+
+
+# Until the layers, optimizers and training import TensorFlow on use only
+# (their branches of issue 43), `import hftatf` imports it from them: these
+# fail, as expected, and pass (failing the suite, strictly) once they merge.
+STILL_IMPORTED_BY_OTHERS = pytest.mark.xfail(
+    strict=True, reason="hftatf/core/axis.py, hftatf/layers, "
+    "hftatf/optimizers and hftatf/training/divergence.py import TensorFlow "
+    "at module level (issue 43)")
+
+
+@STILL_IMPORTED_BY_OTHERS
+def test_hftatf_on_jax_imports_no_tensorflow(tmp_path):
+    imported, *_ = run_on_jax(tmp_path, "installed")
+    assert imported == "[]"
+
+
+@STILL_IMPORTED_BY_OTHERS
+def test_tensorflow_features_on_jax_without_it_say_what_to_install(
+        tmp_path):
+    imported, *errors = run_on_jax(tmp_path, "blocked")
+    assert imported == "[]"
+    assert len(errors) == 2, errors
+    for error, feature in zip(errors, ("TensorBoard", "SavedModel")):
+        assert error.startswith("ImportError") and feature in error, error
+        assert "pip install tensorflow" in error, error

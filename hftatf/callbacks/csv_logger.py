@@ -5,13 +5,13 @@ import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from hftatf.callbacks.base import (
     check_hyperparameter_names,
     checked_array,
     hyperparameter_values,
 )
+from hftatf.core import files
 from hftatf.core.logs import split_logs
 
 
@@ -54,14 +54,14 @@ class CSVLogger(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         checked_array(self)
         if self.append:
-            if tf.io.gfile.exists(self.filename):
-                with tf.io.gfile.GFile(self.filename, "r") as f:
+            if files.exists(self.filename):
+                with files.open_file(self.filename, "r") as f:
                     self.append_header = not bool(len(f.readline()))
             mode = "a"
         else:
             mode = "w"
         self._close()
-        self.csv_file = tf.io.gfile.GFile(self.filename, mode)
+        self.csv_file = files.open_file(self.filename, mode)
         self.writer = None
         self.keys = None
 

@@ -6,9 +6,8 @@ import re
 import string
 import uuid
 
-import tensorflow as tf
-
 from hftatf.callbacks.base import PerModelMonitorCallback, per_model_arg
+from hftatf.core import files
 from hftatf.core.compat import print_msg
 from hftatf.core.logs import split_logs
 from hftatf.fuse import compile_stock_model, compiles_stock_models
@@ -191,8 +190,8 @@ class ModelCheckpoint(PerModelMonitorCallback):
             # model b's optimizer and its state.
             compile_stock_model(self.array, b, model)
         directory = os.path.dirname(filepath)
-        if directory and not tf.io.gfile.exists(directory):
-            tf.io.gfile.makedirs(directory)
+        if directory and not files.exists(directory):
+            files.makedirs(directory)
         # Same directory and extension, so the rename is atomic and Keras
         # accepts the name.
         temporary = os.path.join(
@@ -202,15 +201,15 @@ class ModelCheckpoint(PerModelMonitorCallback):
                 model.save_weights(temporary, overwrite=True)
             else:
                 model.save(temporary, overwrite=True)
-            tf.io.gfile.rename(temporary, filepath, overwrite=True)
+            files.replace(temporary, filepath)
         except IsADirectoryError as e:
             raise OSError(
                 "Please specify a non-directory filepath for "
                 "ModelCheckpoint. Filepath used is an existing directory: "
                 f"{filepath}") from e
         finally:
-            if tf.io.gfile.exists(temporary):
-                tf.io.gfile.remove(temporary)
+            if files.exists(temporary):
+                files.remove(temporary)
 
 
 def _stacked_layer_weights(array):

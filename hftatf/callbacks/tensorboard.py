@@ -1,10 +1,10 @@
 """`TensorBoard`: each model of an array as a TensorBoard run."""
 
+import functools
 import os
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from hftatf.callbacks.base import (
     check_hyperparameter_names,
@@ -13,9 +13,13 @@ from hftatf.callbacks.base import (
 )
 from hftatf.core.compat import scalar_summary_metadata
 from hftatf.core.logs import as_given, split_logs
+from hftatf.core.optional import tensorflow
 
 # Written with each scalar: TensorBoard's scalars plugin shows them.
-SCALAR_METADATA = scalar_summary_metadata()
+scalar_metadata = functools.cache(scalar_summary_metadata)
+
+# What TensorFlow is imported for here: its summary writer, on any backend.
+_FEATURE = "hftatf.callbacks.TensorBoard (TensorFlow's summary writer)"
 
 
 # Abbreviations in run names, as users write these hyper-parameters.
@@ -63,8 +67,9 @@ class TensorBoard(keras.callbacks.Callback):
     and validation curves of a model overlay too. Each hyper-parameter
     named in `hyperparameters` is written with the training results
     (`epoch_learning_rate`). The event files are plain `tf.summary`
-    scalars: the tensorboard package is needed to view them, not to write
-    them.
+    scalars: TensorFlow writes them, on any Keras backend (an ImportError
+    where it is not installed); the tensorboard package is needed to view
+    them, not to write them.
 
     Args:
         log_dir: the directory under which the runs are written.
@@ -82,6 +87,7 @@ class TensorBoard(keras.callbacks.Callback):
     def __init__(self, log_dir="logs", hyperparameters=("learning_rate",),
                  update_freq="epoch", run_names=None):
         super().__init__()
+        tensorflow(_FEATURE)
         if update_freq != "epoch":
             raise ValueError(
                 "hftatf.callbacks.TensorBoard writes epoch results only: "
@@ -126,6 +132,7 @@ class TensorBoard(keras.callbacks.Callback):
         `run` (None for none), as stock TensorBoard lays out a run."""
         if run is None:
             return None
+        tf = tensorflow(_FEATURE)
         return {kind: tf.summary.create_file_writer(os.path.join(run, kind))
                 for kind in ("train", "validation")}
 
@@ -136,6 +143,7 @@ class TensorBoard(keras.callbacks.Callback):
         hypers = hyperparameter_values(
             self.model.optimizer,
             [n for n in self.hyperparameters if n not in per_model])
+        tf = tensorflow(_FEATURE)
         for b, writers in enumerate(self._writers):
             if writers is None:
                 continue
@@ -147,7 +155,7 @@ class TensorBoard(keras.callbacks.Callback):
                         tf.summary.write(
                             f"epoch_{name.removeprefix('val_')}",
                             tf.constant(value, "float32"), step=epoch,
-                            metadata=SCALAR_METADATA)
+                            metadata=scalar_metadata())
             for writer in writers.values():
                 writer.flush()
 

@@ -5,13 +5,14 @@ this module is where to look when one does. Each entry says which public
 API is missing and the versions it was checked on (Keras 3.15, TensorFlow
 2.21, JAX 0.10 unless it says otherwise). Other hftatf modules import
 private names from here, never from `keras.src` or `tensorflow.python`.
+TensorFlow's are imported on use, so that this module (and hftatf) imports
+without TensorFlow on another Keras backend.
 """
 
 
 # -- layers --
 
 from keras.src import backend as _keras_backend  # noqa: E402
-from tensorflow.python.ops import control_flow_util  # noqa: E402
 
 
 def get_keras_mask(tensor):
@@ -29,6 +30,8 @@ def set_keras_mask(tensor, mask):
 def graph_in_xla_context(graph):
     """Whether `graph` (or a graph it is nested in) is compiled by XLA.
     TensorFlow has no public API for it (checked on TF 2.21)."""
+    from tensorflow.python.ops import control_flow_util
+
     return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
@@ -57,7 +60,6 @@ from keras.src.applications import (  # noqa: E402
 )
 from keras.src.backend.common import backend_utils as _backend_utils  # noqa: E402
 from keras.src.backend.common import global_state as _global_state  # noqa: E402
-from keras.src.backend.tensorflow import random as _tf_random  # noqa: E402
 from keras.src.layers.attention import (  # noqa: E402
     multi_head_attention as _multi_head_attention,
 )
@@ -79,7 +81,6 @@ from keras.src.ops import operation_utils as _operation_utils  # noqa: E402
 from keras.src.random import seed_generator as _seed_generator  # noqa: E402
 from keras.src.utils import argument_validation as _validation  # noqa: E402
 from keras.src.utils import is_default as _is_default  # noqa: E402
-from tensorflow.python.trackable import resource as _resource  # noqa: E402
 
 # keras.applications layers that hftatf fuses (folded, or a fused form).
 LayerScale = _convnext.LayerScale
@@ -109,9 +110,18 @@ STOCK_CONVOLUTIONS = (_base_conv.BaseConv,
                       _base_depthwise_conv.BaseDepthwiseConv,
                       _base_separable_conv.BaseSeparableConv)
 
-# State outside Keras variables (a lookup table's; TensorFlow 2.21
-# exports no base class of its resources).
-CapturableResource = _resource.CapturableResource
+
+
+def __getattr__(name):
+    """`CapturableResource`: the base class of TensorFlow's state outside
+    Keras variables (a lookup table's; TensorFlow 2.21 exports none),
+    imported on first use, as TensorFlow is."""
+    if name == "CapturableResource":
+        from tensorflow.python.trackable import resource
+
+        return resource.CapturableResource
+    raise AttributeError(
+        f"module 'hftatf.core.compat' has no attribute {name!r}")
 
 
 def inner_layers(layer, include_self=True):
@@ -160,6 +170,9 @@ def draw_tf_seed(seed_generator):
     """The next seed of `seed_generator` as TensorFlow's stateless random
     ops take it, as the stock TensorFlow backend draws (Keras 3.15 exports
     neither `draw_seed` nor the cast)."""
+    # Keras's TensorFlow backend module imports TensorFlow.
+    from keras.src.backend.tensorflow import random as _tf_random
+
     return _tf_random._cast_seed(_seed_generator.draw_seed(seed_generator))
 
 
@@ -370,10 +383,8 @@ def compiled_by_xla():
     if keras.backend.backend() == "jax":
         return True
     import tensorflow as tf  # Only reached on the TensorFlow backend.
-    from tensorflow.python.ops import control_flow_util
 
-    return control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph())
+    return graph_in_xla_context(tf.compat.v1.get_default_graph())
 
 # -- conversion and export --
 #
@@ -505,9 +516,10 @@ TRAINER_OVERRIDES = (
 
 
 def distribute_strategy(model):
-    """The strategy `model` was built under, None outside one: the public
-    `distribute_strategy` gives the default strategy there."""
-    return model._distribute_strategy
+    """The strategy `model` was built under, None outside one (and on a
+    backend without `tf.distribute`): the public `distribute_strategy`
+    gives the default strategy there."""
+    return getattr(model, "_distribute_strategy", None)
 
 
 def tracked_metrics(model):

@@ -10,12 +10,15 @@ TensorFlow, before the launcher's own module runs, so `hftatf/__init__.py`
 calls `quiet_launcher_start()` before it imports anything else. It acts
 only in a launcher's process, and never where the user set the level or
 asked for TensorFlow's logs with `--verbose=3`: it sets the level, then
-imports TensorFlow with its notes (`I...` lines) left out; its warnings
-and errors still show. Library users' processes are left as they are.
+imports TensorFlow with its notes (`I...` lines) left out (only where Keras
+will run on TensorFlow: on another backend hftatf imports no TensorFlow);
+its warnings and errors still show. Library users' processes are left as
+they are.
 """
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -72,9 +75,26 @@ def quiet_launcher_start(environ=None, argv=None, orig_argv=None):
             asks_for_tensorflow_logs(command)):
         return False
     environ["TF_CPP_MIN_LOG_LEVEL"] = QUIET_LEVEL
-    if importlib.util.find_spec("tensorflow") is not None:
+    if keras_backend_setting(environ) == "tensorflow" and (
+            importlib.util.find_spec("tensorflow") is not None):
         _import_without_notes("tensorflow")
     return True
+
+
+def keras_backend_setting(environ=None):
+    """The Keras backend this process will run, read as Keras reads it
+    (`KERAS_BACKEND`, else `backend` of `$KERAS_HOME/keras.json`, else
+    TensorFlow) without importing Keras, which imports TensorFlow."""
+    environ = os.environ if environ is None else environ
+    if environ.get("KERAS_BACKEND"):
+        return environ["KERAS_BACKEND"]
+    home = environ.get("KERAS_HOME") or os.path.join(
+        os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as file:
+            return json.load(file).get("backend", "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
 
 
 # The runtime's notes: absl's INFO lines (`I1204 16:37:21.49 ...`), its

@@ -20,14 +20,15 @@ import json
 import os
 import pathlib
 import platform
+import sys
 import tempfile
 import time
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import hftatf
+from hftatf.core import devices
 from hftatf.core.compat import get_data_adapter
 from hftatf.graph import architecture
 from hftatf.tuning import arrays
@@ -51,13 +52,9 @@ def cache_path():
 def device_name():
     """A description of the device arrays train on: the accelerator's name
     and count, or the CPU's architecture and core count."""
-    tpus = tf.config.list_logical_devices("TPU")
-    if tpus:
-        return f"TPU x{len(tpus)}"
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        details = tf.config.experimental.get_device_details(gpus[0])
-        return f"GPU {details.get('device_name', 'unknown')} x{len(gpus)}"
+    accelerator = devices.describe_device()
+    if accelerator is not None:
+        return accelerator
     return (f"CPU {platform.machine()} {platform.processor() or ''} "
             f"x{os.cpu_count()}").replace("  ", " ")
 
@@ -100,18 +97,17 @@ def probe(model, num_models, x, y, optimizer="sgd", loss=None, metrics=None,
 
     Returns:
         `(throughput, peak_bytes)`: models x samples per second, and the
-        device's peak memory during the probe (None where TensorFlow does
-        not report it, e.g. on a CPU).
+        device's peak memory during the probe (None where the backend
+        does not report it: on a CPU, on JAX).
 
     Raises:
-        tf.errors.ResourceExhaustedError: if the array does not fit.
+        The backend's out-of-memory error (`devices.is_out_of_memory`) if
+        the array does not fit.
     """
     array = hftatf.fuse(model, num_models)
     array.compile(optimizer=_fresh_optimizer(optimizer), loss=loss,
                   metrics=metrics, jit_compile=jit_compile)
-    device = _memory_device()
-    if device is not None:
-        tf.config.experimental.reset_memory_stats(device)
+    device = devices.reset_peak_memory()
     for _ in range(2):  # Tracing and compilation.
         array.train_on_batch(x, y)
     best = float("inf")
@@ -123,14 +119,9 @@ def probe(model, num_models, x, y, optimizer="sgd", loss=None, metrics=None,
         best = min(best, (time.perf_counter() - start) / steps)
     peak = None
     if device is not None:
-        peak = tf.config.experimental.get_memory_info(device)["peak"]
+        peak = devices.peak_memory(device)
     batch = len(keras.tree.flatten(x)[0])
     return num_models * batch / best, peak
-
-
-def _memory_device():
-    gpus = tf.config.list_logical_devices("GPU")
-    return gpus[0].name.replace("/device:", "") if gpus else None
 
 
 def auto_num_models(model, x, y=None, optimizer="sgd", loss=None,
@@ -197,7 +188,9 @@ def auto_num_models(model, x, y=None, optimizer="sgd", loss=None,
                 model, candidate, x, y, optimizer=optimizer, loss=loss,
                 metrics=metrics, steps=steps, repeats=repeats,
                 jit_compile=jit_compile)
-        except tf.errors.ResourceExhaustedError:
+        except Exception as error:  # The backend's out-of-memory error.
+            if not devices.is_out_of_memory(error):
+                raise
             break
         measured[candidate] = throughput
         if peak is not None:
@@ -233,7 +226,8 @@ def _cache_key(model, x, optimizer, loss, metrics, *settings):
         "metrics": keras.saving.serialize_keras_object(metrics),
         "settings": settings,
         "device": device_name(),
-        "versions": [hftatf.__version__, tf.__version__, keras.__version__],
+        "versions": [hftatf.__version__, keras.backend.backend(),
+                     keras.__version__, *_backend_versions()],
     }
     text = json.dumps(description, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -258,3 +252,11 @@ def _write_cache(path, key, entry):
     with os.fdopen(handle, "w") as file:
         json.dump(entries, file, indent=1, sort_keys=True)
     os.replace(temporary, path)
+
+
+def _backend_versions():
+    """The versions of the backend's libraries that this process imported
+    (a cached size holds for them only)."""
+    return [f"{name} {sys.modules[name].__version__}"
+            for name in ("tensorflow", "jax")
+            if sys.modules.get(name) is not None]

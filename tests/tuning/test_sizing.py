@@ -5,7 +5,7 @@ import json
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
+from testing import BACKEND
 
 from hftatf.tuning import sizing
 
@@ -19,6 +19,17 @@ def model(units=4):
                              keras.layers.Dense(3, activation="softmax")])
 
 
+def out_of_memory_error():
+    """The error the backend raises where an array does not fit."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.errors.ResourceExhaustedError(None, None, "OOM")
+    import jax
+
+    return jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+
+
 def fake_probe(monkeypatch, throughput, peak=None, out_of_memory=()):
     """Replaces the timing with a table: B -> models x samples / s."""
     probed = []
@@ -26,7 +37,7 @@ def fake_probe(monkeypatch, throughput, peak=None, out_of_memory=()):
     def probe(model, num_models, x, y, **kwargs):
         probed.append(num_models)
         if num_models in out_of_memory:
-            raise tf.errors.ResourceExhaustedError(None, None, "OOM")
+            raise out_of_memory_error()
         return throughput[num_models], None if peak is None else (
             peak * num_models)
 
@@ -116,6 +127,7 @@ def test_probe_times_a_real_array():
 def test_probe_batch_reads_arrays_and_datasets():
     x, y = sizing.probe_batch(X, Y, batch_size=8)
     assert x.shape == (8, 6) and y.shape == (8,)
+    tf = pytest.importorskip("tensorflow")  # tf.data, on either backend
     dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(5)
     x, y = sizing.probe_batch(dataset)
     assert x.shape == (5, 6) and y.shape == (5,)
