@@ -373,10 +373,10 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         see `hftatf.fuse.unfuse`."""
         return hooks.call("unfuse", self, compile=compile)
 
-    def export_models(self, directory, history=None,
-                      format=("keras", "saved_model", "checkpoint")):
-        """Writes each model as `.keras`, SavedModel, checkpoint and
-        metadata; see `hftatf.export.export_models`."""
+    def export_models(self, directory, history=None, format=None):
+        """Writes each model as `.keras`, SavedModel, checkpoint (those the
+        backend writes, by default) and metadata; see
+        `hftatf.export.export_models`."""
         return hooks.call("export_models", self, directory, history=history,
                           format=format)
 
@@ -421,7 +421,10 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
             array = hooks.call(
                 "fuse", stock, num_models, shared_inputs=shared_inputs,
                 name=config.get("name"), model_class=cls, layout=layout)
-            array.trainable = config.get("trainable", True)
+            # Set only where off: on JAX, setting it turns every inner
+            # layer's flag back on.
+            if not config.get("trainable", True):
+                array.trainable = False
             return array
         graph = keras.Model.from_config(config, custom_objects=custom_objects)
         return cls(graph.inputs, graph.outputs, num_models=num_models,

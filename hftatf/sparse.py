@@ -141,6 +141,14 @@ def sum_per_model(gradient, num_models, values):
                             _segment_reduction("unsorted_segment_sum"))
 
 
+def total_per_model(tensor, num_models):
+    """`[B]`: the sum of each model's elements of a `[B, ...]` tensor (or
+    sparse gradient)."""
+    return reduce_per_model(tensor, num_models,
+                            lambda rows: ops.sum(rows, axis=1),
+                            _segment_reduction("unsorted_segment_sum"))
+
+
 def finite_per_model(tensor, num_models):
     """`[B]` booleans: whether each model's elements of a `[B, ...]`
     tensor (or sparse gradient) are all finite."""

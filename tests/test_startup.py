@@ -140,22 +140,11 @@ def run_on_jax(directory, *argv):
     return result.stdout.splitlines()
 
 
-# Until the layers, optimizers and training import TensorFlow on use only
-# (their branches of issue 43), `import hftatf` imports it from them: these
-# fail, as expected, and pass (failing the suite, strictly) once they merge.
-STILL_IMPORTED_BY_OTHERS = pytest.mark.xfail(
-    strict=True, reason="hftatf/core/axis.py, hftatf/layers, "
-    "hftatf/optimizers and hftatf/training/divergence.py import TensorFlow "
-    "at module level (issue 43)")
-
-
-@STILL_IMPORTED_BY_OTHERS
 def test_hftatf_on_jax_imports_no_tensorflow(tmp_path):
     imported, *_ = run_on_jax(tmp_path, "installed")
     assert imported == "[]"
 
 
-@STILL_IMPORTED_BY_OTHERS
 def test_tensorflow_features_on_jax_without_it_say_what_to_install(
         tmp_path):
     imported, *errors = run_on_jax(tmp_path, "blocked")

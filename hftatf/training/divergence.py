@@ -9,7 +9,6 @@ import logging
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
 from hftatf import sparse
@@ -180,9 +179,8 @@ def finite_per_model(tensors, num_models):
     tensors = [t for t in tensors if t is not None]
     total = ops.zeros((num_models,), "float32")
     for tensor in tensors:
-        total = total + ops.cast(sparse.reduce_per_model(
-            tensor, num_models, lambda rows: ops.sum(rows, axis=1),
-            tf.math.unsorted_segment_sum), "float32")
+        total = total + ops.cast(
+            sparse.total_per_model(tensor, num_models), "float32")
     return ops.cond(ops.all(ops.isfinite(total)),
                     lambda: ops.ones((num_models,), "bool"),
                     lambda: _finite_elements_per_model(tensors, num_models))
@@ -244,13 +242,15 @@ class Divergence:
     @property
     def active_models(self):
         """`[B]` booleans: the models still being trained."""
-        return ops.convert_to_numpy(self._status.active) > 0
+        return ops.convert_to_numpy(
+            self._training_value(self._status.active)) > 0
 
     @property
     def diverged_models(self):
         """`[B]` booleans: the models frozen because they diverged (a
         non-finite loss or gradient)."""
-        return ops.convert_to_numpy(self._status.diverged) > 0
+        return ops.convert_to_numpy(
+            self._training_value(self._status.diverged)) > 0
 
     def model_state(self):
         """A snapshot of the per-model state the forward pass updates
