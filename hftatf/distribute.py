@@ -12,7 +12,10 @@ import os
 import socket
 import urllib.parse
 
-from hftatf.core.optional import tensorflow_backend
+import keras
+
+from hftatf.core.optional import tensorflow, tensorflow_backend
+from hftatf.distribution import distribution_from_name
 
 STRATEGIES = ("auto", "tpu", "mirrored", "cpu")
 
@@ -21,8 +24,22 @@ STRATEGIES = ("auto", "tpu", "mirrored", "cpu")
 CONNECT_TIMEOUT_S = 10.0
 
 
-def strategy_from_name(name="auto", tpu=None, zone=None, project=None):
+# On JAX, the `keras.distribution` (`hftatf.distribution`) each strategy
+# name stands for.
+JAX_DISTRIBUTIONS = {"auto": "auto", "tpu": "auto", "mirrored": "data",
+                     "cpu": "none"}
+
+
+def strategy_from_name(name="auto", tpu=None, zone=None, project=None,
+                       num_models=1):
     """Returns the `tf.distribute.Strategy` called `name`.
+
+    On the JAX backend, devices are Keras's to lay out: the name sets the
+    `keras.distribution` it stands for (`JAX_DISTRIBUTIONS`; "auto" splits
+    an array of `num_models` models over the devices where they divide
+    it, see `hftatf.distribution.distribution_from_name`), and the
+    strategy returned is TensorFlow's default one, under which `tf.data`
+    input pipelines run as they are.
 
     Args:
         name: one of
@@ -47,6 +64,11 @@ def strategy_from_name(name="auto", tpu=None, zone=None, project=None):
         raise ValueError(
             f"Unknown strategy {name!r}; expected one of "
             f"{', '.join(STRATEGIES)}.")
+    if keras.backend.backend() == "jax":
+        keras.distribution.set_distribution(distribution_from_name(
+            JAX_DISTRIBUTIONS[name], num_models))
+        return tensorflow(
+            "The tf.data input of a launcher").distribute.get_strategy()
     tf = _tensorflow(name)
     if name == "auto":
         if tpu is not None or _on_tpu_vm():

@@ -10,16 +10,32 @@ without it (TFRecord files, tensorflow-datasets, users' `tf.data`
 pipelines) and, where it is missing, says what to install.
 """
 
+import contextlib
 import importlib
 
 import keras
 import numpy as np
 
+# Set inside `tf_data_input()`.
+_TF_DATA = []
+
 
 def uses_tf_data():
     """Whether the recipes build `tf.data` pipelines (the TensorFlow
-    backend) rather than `ArrayBatches`."""
-    return keras.backend.backend() == "tensorflow"
+    backend, or inside `tf_data_input()`) rather than `ArrayBatches`."""
+    return bool(_TF_DATA) or keras.backend.backend() == "tensorflow"
+
+
+@contextlib.contextmanager
+def tf_data_input():
+    """Inside the block the recipes build `tf.data` pipelines on every
+    backend (Keras reads them on JAX too): the launcher shards, rebatches
+    and distributes its input with `tf.data` and `tf.distribute`."""
+    _TF_DATA.append(True)
+    try:
+        yield
+    finally:
+        _TF_DATA.pop()
 
 
 def require_tensorflow(feature):

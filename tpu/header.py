@@ -25,7 +25,7 @@ def header_lines(plan, array):
         f"batch {config.batch_size}",
         "  per model: " + (varying or "the initialisation only (same "
                            "hyper-parameters)"),
-        f"  device: {_devices(strategy)} ({type(strategy).__name__}); "
+        f"  device: {_placement(strategy)}; "
         f"backend {keras.config.backend()}; XLA "
         f"{'on' if compiled else 'off'}"]
 
@@ -39,11 +39,27 @@ def _listed(values, most=8):
     return ", ".join(shown)
 
 
-def _devices(strategy):
-    """`1 CPU`, `2 GPUs`, `8 TPUs`: the devices the replicas run on."""
-    kinds = {}
-    for device in strategy.extended.worker_devices:
-        kind = tf.DeviceSpec.from_string(device).device_type or "CPU"
-        kinds[kind] = kinds.get(kind, 0) + 1
+def _placement(strategy):
+    """`1 CPU (OneDeviceStrategy)`, `4 GPUs (ModelAxisParallel)`: the
+    devices the run uses and what lays it out (on JAX, the
+    `keras.distribution` set, or none)."""
+    if keras.config.backend() != "tensorflow":
+        distribution = keras.distribution.distribution()
+        devices = (distribution.device_mesh.devices.flatten().tolist()
+                   if distribution is not None
+                   else keras.distribution.list_devices()[:1])
+        kinds = [str(d).split(":")[0].upper() for d in devices]
+        how = type(distribution).__name__ if distribution else "one device"
+        return f"{_counted(kinds)} ({how})"
+    kinds = [tf.DeviceSpec.from_string(device).device_type or "CPU"
+             for device in strategy.extended.worker_devices]
+    return f"{_counted(kinds)} ({type(strategy).__name__})"
+
+
+def _counted(kinds):
+    """`1 CPU`, `2 GPUs`: the device kinds listed, counted."""
+    counts = {}
+    for kind in kinds:
+        counts[kind] = counts.get(kind, 0) + 1
     return ", ".join(f"{count} {kind}{'s' if count > 1 else ''}"
-                     for kind, count in kinds.items())
+                     for kind, count in counts.items())

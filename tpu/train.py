@@ -27,6 +27,7 @@ from absl import app, flags, logging
 import hftatf
 from hftatf import backup, distribute, report
 from hftatf import callbacks as fused_callbacks
+from hftatf.models import batches
 from hftatf.tpu import data, page, plots, results
 from hftatf.tpu.backend import BACKENDS, check_backend, relaunch_for_backend
 from hftatf.tpu.builders import (  # noqa: F401
@@ -324,7 +325,7 @@ def _prepare(config):
     initial_epoch = backed_up_epoch(model_dir / BACKUP_DIR, num_models)
     if config.deterministic:
         tf.config.experimental.enable_op_determinism()
-    strategy = make_strategy(config)
+    strategy = make_strategy(config, num_models)
     data.per_replica_batch_size(config.batch_size,
                                 strategy.num_replicas_in_sync)
     keras.utils.set_random_seed(config.seed)
@@ -450,13 +451,14 @@ def _global_policy(name):
         keras.mixed_precision.set_global_policy(policy)
 
 
-def make_strategy(config):
+def make_strategy(config, num_models=1):
     """The `tf.distribute.Strategy` of `config` (TPU connected and
-    initialised); a missing TPU is a ConfigError, not a hang."""
+    initialised; on JAX, the `keras.distribution` of an array of
+    `num_models` set); a missing TPU is a ConfigError, not a hang."""
     try:
         return distribute.strategy_from_name(
             config.strategy, tpu=config.tpu, zone=config.zone,
-            project=config.project)
+            project=config.project, num_models=num_models)
     except ValueError as error:
         raise ConfigError(f"--strategy={config.strategy}: {error}") from None
 
@@ -540,7 +542,8 @@ def main(argv):
             "--flag; see --helpfull).")
     # TensorFlow's notes (SavedModel assets, ...) would drown the run's.
     logging.set_verbosity(logging.WARNING)
-    run = train(config_from_flags())
+    with batches.tf_data_input():
+        run = train(config_from_flags())
     print(report.format_table(
         run.results, run.hyperparameters,
         best=None if run.best is None else run.best["model"]))
