@@ -292,8 +292,8 @@ class PassPlanning:
     computes (`compile(models_per_pass=...)`), decided once per `compile`.
 
     Reads `_models_per_pass` (the `compile` setting),
-    `_resolved_models_per_pass` (None until decided) and the backend
-    trainer's `_pass_model`.
+    `_resolved_models_per_pass` (None until decided), `_pass_models` and
+    the backend trainer's `_built_pass_model`.
     """
 
     @property
@@ -345,6 +345,23 @@ class PassPlanning:
                 "cannot be built for passes (%s).", self.name, count, error)
             return self.num_models
         return count
+
+    def _pass_model(self, count):
+        """The array of `count` models whose layers run a pass (made by
+        the backend trainer's `_built_pass_model`), and the role of each
+        variable (`variable_roles`)."""
+        if count not in self._pass_models.models:
+            self._pass_models.models[count] = self._built_pass_model(count)
+        model = self._pass_models.models[count]
+        for layer, twin in zip(
+                compat.inner_layers(self, include_self=False),
+                compat.inner_layers(model, include_self=False)):
+            twin.trainable = layer.trainable
+        roles = (variable_roles(self.trainable_variables,
+                                model.trainable_variables, count),
+                 variable_roles(self.non_trainable_variables,
+                                model.non_trainable_variables, count))
+        return model, roles
 
     def _loops_passes(self):
         """Whether the step runs its passes of equal size as a loop

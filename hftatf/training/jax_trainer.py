@@ -344,21 +344,10 @@ class JAXTrainer:
                                   metrics_values)
         return loss, (losses, y_pred, non_trainable, metrics_values)
 
-    def _pass_model(self, count):
-        """The array of `count` models whose layers run a pass, and the
-        role of each variable (`passes.variable_roles`)."""
-        if count not in self._pass_models.models:
-            self._pass_models.models[count] = self._rebuilt(count)
-        model = self._pass_models.models[count]
-        for layer, twin in zip(
-                compat.inner_layers(self, include_self=False),
-                compat.inner_layers(model, include_self=False)):
-            twin.trainable = layer.trainable
-        roles = (passes.variable_roles(self.trainable_variables,
-                                       model.trainable_variables, count),
-                 passes.variable_roles(self.non_trainable_variables,
-                                       model.non_trainable_variables, count))
-        return model, roles
+    def _built_pass_model(self, count):
+        """An array of `count` models for passes (built before the step
+        is traced: see `make_train_function`)."""
+        return self._rebuilt(count)
 
     def _losses_in_passes(self, trainable, non_trainable, x, y,
                           sample_weight, per_pass):

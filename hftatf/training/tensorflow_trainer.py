@@ -25,8 +25,12 @@ A backend trainer provides:
 * the step ends with `apply_model_gradients` (`hftatf.training.divergence`,
   backend-independent), which applies the fused optimizer to the models
   that may take the step.
-* `_pass_model(count)`: the array of `count` models a pass runs, and the
-  role of each variable (`passes.variable_roles`).
+* `_built_pass_model(count)`: a new array of `count` models for passes
+  (`passes.PassPlanning._pass_model` keeps it); `_distributed()`,
+  `_training_value(variable)`, `_model_values(vector)` and
+  `_batch_for_building(iterator)`: where the backends differ in reading
+  state and data; `AUTO_PASSES`: whether `models_per_pass="auto"` may
+  pick passes.
 * `_uses_replica_jit(jit_compile, run_eagerly)`: whether each replica's
   forward and backward pass is compiled on its own (see `compile`).
 
@@ -288,23 +292,11 @@ class TensorFlowTrainer:
             gradients = tape.gradient(loss, self.trainable_weights)
         return y_pred, losses, gradients
 
-    def _pass_model(self, count):
-        """The array of `count` models whose layers run a pass, and the
-        role of each variable (`passes.variable_roles`)."""
-        if count not in self._pass_models.models:
-            # Built outside the traced step: it creates variables.
-            with tf.init_scope():
-                self._pass_models.models[count] = self._rebuilt(count)
-        model = self._pass_models.models[count]
-        for layer, twin in zip(
-                compat.inner_layers(self, include_self=False),
-                compat.inner_layers(model, include_self=False)):
-            twin.trainable = layer.trainable
-        roles = (passes.variable_roles(self.trainable_variables,
-                                       model.trainable_variables, count),
-                 passes.variable_roles(self.non_trainable_variables,
-                                       model.non_trainable_variables, count))
-        return model, roles
+    def _built_pass_model(self, count):
+        """An array of `count` models for passes, built outside the traced
+        step: it creates variables."""
+        with tf.init_scope():
+            return self._rebuilt(count)
 
     def _forward_and_gradients_in_passes(self, x, y, sample_weight,
                                          per_pass):
