@@ -13,10 +13,8 @@ def readme_commands():
 
 
 MAIN_JOB = 'python -m pip install -e ".[data]" && hftatf-train'
-SUITE = "python -m pytest -n auto --maxprocesses 4 --dist loadgroup"
-# The suite on the TensorFlow backend, then on the JAX backend.
-TESTS = (f'python -m pip install -e ".[dev]" && {SUITE} && '
-         f"KERAS_BACKEND=jax {SUITE}")
+TESTS = ('python -m pip install -e ".[dev]" && '
+         "python -m pytest -n auto --maxprocesses 4 --dist loadgroup")
 
 
 def test_readme_has_the_two_setup_commands():
