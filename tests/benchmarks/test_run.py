@@ -29,10 +29,6 @@ from hftatf.models.batches import ArrayBatches  # noqa: E402
 
 BACKEND = keras.backend.backend()
 # Until the JAX trainer lands, an array's fit runs on TensorFlow only.
-NEEDS_ARRAY_FIT = pytest.mark.backends(
-    "tensorflow", reason="an array's fit on JAX needs the JAX trainer")
-
-
 def trained(model, x, y):
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
     return model
@@ -450,7 +446,6 @@ def test_workload_batches_are_full_and_repeat():
     assert small.batches(5)[1][:, 0].tolist() == [0, 4, 0, 4, 0]
 
 
-@NEEDS_ARRAY_FIT
 def test_stock_gan_twin_trains_like_the_array():
     work = Workload("dcgan", batch_size=4,
                     model_args={"latent_dim": 8, "filters": 4,
@@ -511,7 +506,6 @@ def test_csv_round_trip(tmp_path):
     assert read[0]["peak_rss_mb"] is None
 
 
-@NEEDS_ARRAY_FIT
 def test_smoke_run_writes_a_well_formed_csv(tmp_path):
     # A row of another model, kept by --append.
     kept = {"model": "pointnet", "mode": "fused", "num_models": 4,
