@@ -300,9 +300,10 @@ class ProgbarLogger(keras.callbacks.ProgbarLogger):
             (`COLUMNS`, else the terminal's own, else 80).
     """
 
-    # Keras runs its own progress bar beside asynchronously dispatched
-    # batches (it adds it after choosing); this one does the same.
-    async_safe = True
+    # Not beside asynchronously dispatched batches, as Keras runs its own:
+    # this one reads which models diverged, from the state the next batch
+    # takes over on JAX.
+    async_safe = False
 
     def __init__(self, per_model=False, columns=None):
         super().__init__()

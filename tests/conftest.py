@@ -65,3 +65,9 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     keras.utils.set_random_seed(1234)
     yield
+    if BACKEND == "jax":
+        # JAX keeps every program it compiled: a worker running hundreds
+        # of tests would grow by gigabytes.
+        import jax
+
+        jax.clear_caches()
