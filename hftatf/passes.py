@@ -57,6 +57,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
+from hftatf.core.axis import take_models
 from hftatf.core.devices import runs_on_accelerator
 
 # Assumed when the system does not say (a common server CPU's L3).
@@ -193,6 +194,13 @@ def variable_roles(full, part, count):
                 f"matching '{b.path}' of shape {sliced} in a pass of "
                 f"{count} models; use models_per_pass=None for this array.")
     return roles
+
+
+def pass_values(values, roles, start, count):
+    """Values for the pass of models `start:start + count`: the slices of
+    those that carry the model axis (`variable_roles`), the others whole."""
+    return [take_models(value, start, count) if sliced else value
+            for value, sliced in zip(values, roles)]
 
 
 def looped_passes(spans):

@@ -52,13 +52,6 @@ def _without_attributes(y_pred):
                for t in keras.tree.flatten(y_pred))
 
 
-def _pass_values(values, roles, start, count):
-    """Values for the pass of models `start:start + count`: the slices of
-    those that carry the model axis, the others whole."""
-    return [take_models(value, start, count) if sliced else value
-            for value, sliced in zip(values, roles)]
-
-
 class JAXTrainer:
     """Mixin of `FusedModel`: its steps on the JAX backend (see the
     module docstring, and `hftatf.training.tensorflow_trainer` for what a
@@ -154,8 +147,8 @@ class JAXTrainer:
             return flat, [take_models(t, start, count, axis=1)
                           for t, own in zip(flat, flags) if own]
 
-        flat_y, own_y = per_model(y, [] if y is None else
-                                  self._labels_per_model(y, y_pred))
+        flags_y = [] if y is None else self._labels_per_model(y, y_pred)
+        flat_y, own_y = per_model(y, flags_y)
         flags_w = ([] if sample_weight is None else
                    self._weights_per_model(sample_weight, y_pred))
         flat_w, own_w = per_model(sample_weight, flags_w)
@@ -168,8 +161,7 @@ class JAXTrainer:
                 next(own) if flag else t for t, flag in zip(flat, flags)])
 
         def one(pred, own_y, own_w, mapped):
-            labels = rebuilt(y, flat_y, [] if y is None else
-                             self._labels_per_model(y, y_pred), own_y)
+            labels = rebuilt(y, flat_y, flags_y, own_y)
             weights = rebuilt(sample_weight, flat_w, flags_w, own_w)
             if (training and self._class_weight is not None
                     and labels is not None):
@@ -366,8 +358,8 @@ class JAXTrainer:
                 for t, shared in zip(keras.tree.flatten(x),
                                      self._shared_inputs)])
             y_pred, state, added = model.stateless_call(
-                _pass_values(trainable, trainable_roles, start, count),
-                _pass_values(carried, state_roles, start, count), inputs,
+                passes.pass_values(trainable, trainable_roles, start, count),
+                passes.pass_values(carried, state_roles, start, count), inputs,
                 training=True, return_losses=True)
             losses = self._losses_of_models(
                 range(start, stop), y, y_pred, sample_weight, added,

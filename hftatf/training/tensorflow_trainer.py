@@ -122,13 +122,6 @@ def _select_models(variable, value, models):
     tf.cond(tf.reduce_any(models), select, lambda: None)
 
 
-def _pass_values(values, roles, start, count):
-    """Values for the pass of models `start:start + count`: the slices of
-    those that carry the model axis, the others whole."""
-    return [take_models(value, start, count) if sliced else value
-            for value, sliced in zip(values, roles)]
-
-
 class TensorFlowTrainer:
     """Mixin of `FusedModel`: its steps on the TensorFlow backend (see the
     module docstring for what a backend trainer provides)."""
@@ -366,8 +359,8 @@ class TensorFlowTrainer:
                       for t, shared in zip(keras.tree.flatten(x),
                                            self._shared_inputs)]
         inputs = keras.tree.pack_sequence_as(x, inputs)
-        weights = _pass_values(values, trainable_roles, start, count)
-        state = _pass_values(carried, state_roles, start, count)
+        weights = passes.pass_values(values, trainable_roles, start, count)
+        state = passes.pass_values(carried, state_roles, start, count)
         with tf.GradientTape() as tape:
             tape.watch(weights)
             y_pred, state, added = model.stateless_call(
