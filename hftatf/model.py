@@ -362,6 +362,8 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         """As `keras.Model.train_on_batch`, with `class_weight` as in
         `fit` (read from each model's own labels)."""
         self._use_class_weight(class_weight)
+        # Flags an interrupted `fit` left are not this batch's.
+        self._bad_batch.reset_state()
         logs = super().train_on_batch(x, y, sample_weight=sample_weight,
                                       return_dict=return_dict)
         self.check_batch("the batch given to train_on_batch")

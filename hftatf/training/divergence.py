@@ -6,6 +6,7 @@ state and moving statistics; the others train on, untouched by it.
 """
 
 import logging
+import threading
 
 import keras
 import numpy as np
@@ -81,23 +82,46 @@ _PROBLEMS = (
 class BatchProblems(keras.metrics.Metric):
     """What was found wrong with a training batch, one flag per entry of
     `_PROBLEMS`: such a batch trains no model (`apply_model_gradients`),
-    and `fit` raises on it (`DivergenceReport`)."""
+    and `fit` raises on it (`DivergenceReport`).
+
+    While `holding` (inside `fit`), a refused batch also refuses every
+    later one until it is reported: `fit` may check a batch after the
+    next steps were dispatched, and they must not train on past it."""
 
     def __init__(self, name="batch_problems", **kwargs):
         super().__init__(name=name, **kwargs)
         self.found = self.add_variable(
             (len(_PROBLEMS),), "zeros", name="found",
             aggregation="only_first_replica")
+        self.holding = self.add_variable(
+            (), "zeros", name="holding", aggregation="only_first_replica")
 
     def update_state(self, found):
         self.found.assign(ops.maximum(self.found,
                                       ops.cast(found, self.dtype)))
 
+    def held(self):
+        """A scalar boolean: whether batches are refused because an
+        earlier one was (see the class docstring)."""
+        return ops.logical_and(self.holding > 0, ops.any(self.found > 0))
+
+    def hold(self, holding):
+        """Makes a refused batch refuse the later ones (`holding`), or
+        not."""
+        self.holding.assign(1.0 if holding else 0.0)
+
     def reset_state(self):
         self.found.assign(ops.zeros(self.found.shape, self.found.dtype))
+        self.holding.assign(0.0)
 
     def result(self):
         return self.found
+
+
+def _ready(value):
+    """Whether `value` is computed: a JAX array may still be in flight."""
+    is_ready = getattr(value, "is_ready", None)
+    return is_ready is None or is_ready()
 
 
 def _non_finite(structure):
@@ -114,12 +138,26 @@ def _non_finite(structure):
 
 class DivergenceReport(keras.callbacks.Callback):
     """Logs each model of the array that diverged, once; raises on a
-    batch that no model could train on (`Divergence.check_batch`)."""
+    batch that no model could train on (`Divergence.check_batch`).
+
+    Each batch is checked when it ends, except where Keras runs the ends
+    of batches in worker threads beside the next steps (a thread-safe
+    backend, JAX, and only async-safe callbacks): reading the array's
+    state there would wait for each step, and race the next step, which
+    takes the state over. There the flags of a step are copied when the
+    next one begins and read once computed, while later steps run; those
+    steps train no model past a refused batch (`BatchProblems.hold`), and
+    the epoch's end checks the rest."""
+
+    async_safe = True
 
     def __init__(self):
         super().__init__()
         self._epoch = 0
         self._array = None
+        self._thread = None
+        self._open = None
+        self._copies = []
 
     def set_model(self, model):
         super().set_model(model)
@@ -129,22 +167,58 @@ class DivergenceReport(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self.model._bad_batch.reset_state()
+        self.model._bad_batch.hold(True)
+        self._thread = threading.get_ident()
+        self._open, self._copies = None, []
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._open is not None:
+            # The last step's batches, not checked at their end: the flags
+            # they left, copied before the next step takes them over.
+            self._copies.append((
+                self._open, batch - 1, self._array._kept_training_value(
+                    self._array._bad_batch.found)))
+        self._check_copies(wait=False)
+        self._open = batch
+
     def on_train_batch_end(self, batch, logs=None):
-        steps = getattr(self._array, "steps_per_execution", 1) or 1
-        batches = (f"batch {batch}" if steps == 1 else
-                   f"one of batches {max(batch - steps + 1, 0)}-{batch}")
-        self._array.check_batch(f"{batches} of epoch {self._epoch} "
-                               "(counted from 0)")
+        if threading.get_ident() == self._thread:
+            first, self._open = self._open, None
+            self._check(first, batch)
 
     def on_epoch_end(self, epoch, logs=None):
+        self._check_copies(wait=True)
+        if self._open is not None:
+            steps = getattr(self._array, "steps_per_execution", 1) or 1
+            last = self._open + steps - 1
+            epoch_steps = (self.params or {}).get("steps")
+            if epoch_steps:
+                last = min(last, epoch_steps - 1)
+            first, self._open = self._open, None
+            self._check(first, last)
         self._report()
 
     def on_train_end(self, logs=None):
+        self.model._bad_batch.hold(False)
         self._report()
+
+    def _check_copies(self, wait):
+        """Checks the copied flags in order, those computed (all of them
+        where `wait`)."""
+        while self._copies and (wait or _ready(self._copies[0][2])):
+            first, last, found = self._copies.pop(0)
+            self._check(first, last, found)
+
+    def _check(self, first, last, found=None):
+        """Raises if batches `first` to `last` of this epoch were refused
+        (`found`: the flags they left; by default the array's)."""
+        batches = (f"batch {first}" if first == last else
+                   f"one of batches {first}-{last}")
+        self._array.check_batch(f"{batches} of epoch {self._epoch} "
+                                "(counted from 0)", found)
 
     def _report(self):
         model = self.model
@@ -275,11 +349,14 @@ class Divergence:
                 to_model_rank(models, len(variable.shape)), value,
                 variable.value))
 
-    def check_batch(self, where):
+    def check_batch(self, where, found=None):
         """Raises if the last training batch was refused (what
-        `BatchProblems` found wrong with it), naming it as `where`."""
-        found = ops.convert_to_numpy(
-            self._training_value(self._bad_batch.found)) > 0
+        `BatchProblems` found wrong with it), naming it as `where`;
+        `found`: its flags where they were taken earlier (by default, the
+        array's now)."""
+        if found is None:
+            found = self._training_value(self._bad_batch.found)
+        found = ops.convert_to_numpy(found) > 0
         if not found.any():
             return
         self._bad_batch.reset_state()
@@ -370,8 +447,8 @@ class Divergence:
         active = self._status.active > 0
         problems = self._batch_problems(
             ops.logical_and(active, ops.logical_not(finite)), active, data)
+        refused = ops.logical_or(ops.any(problems), self._bad_batch.held())
         self._bad_batch.update_state(problems)
-        refused = ops.any(problems)
         training = ops.logical_and(ops.logical_and(active, finite),
                                    ops.logical_not(refused))
         updated = [v for _, _, variables in updates for v in variables

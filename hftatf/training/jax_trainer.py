@@ -30,7 +30,7 @@ from keras import ops
 
 from hftatf import passes
 from hftatf.core import compat
-from hftatf.core.axis import concat_models, take_models
+from hftatf.core.axis import concat_models, take_models, to_model_rank
 from hftatf.core.compat import get_keras_mask
 from hftatf.distribution import check_distribution
 
@@ -43,6 +43,11 @@ def _current(scope, variables, values):
         current = scope.get_current_value(variable)
         new.append(value if current is None else current)
     return new
+
+
+# A copy of an array that the next step, which takes its state over, does
+# not delete: compiled, as an eager copy costs several times more.
+_copy = jax.jit(jax.numpy.copy)
 
 
 def _without_attributes(y_pred):
@@ -222,11 +227,43 @@ class JAXTrainer:
         value of the last step's state."""
         state = getattr(self, "_jax_state", None)
         if state and not self._jax_state_synced:
-            for ref, value in zip(self.metrics_variables,
-                                  state.get("metrics_variables", ())):
-                if ref is variable:
-                    return value
+            values = state.get("metrics_variables", ())
+            positions = getattr(self, "_metric_positions", None)
+            if positions is None or len(positions) != len(values):
+                positions = {id(v): number for number, v
+                             in enumerate(self.metrics_variables)}
+                self._metric_positions = positions
+            if id(variable) in positions:
+                return values[positions[id(variable)]]
         return variable.value
+
+    def _kept_training_value(self, variable):
+        """`_training_value(variable)`, kept from the next step, which
+        takes the state over: copied without waiting for the step."""
+        return _copy(self._training_value(variable))
+
+    def __setattr__(self, name, value):
+        if name == "_jax_state":
+            # Keras sets the state after every step; a layer's attribute
+            # would walk its lists for variables to track, which it holds
+            # none of.
+            object.__setattr__(self, name, value)
+            return
+        super().__setattr__(name, value)
+
+    def _restore_models(self, variables, values, models):
+        """`Divergence._restore_models`, computed only on steps that
+        restore a model (the branches of `ops.cond` give values: on JAX a
+        branch may not assign variables)."""
+        current = [variable.value for variable in variables]
+
+        def restored():
+            return [ops.where(to_model_rank(models, len(value.shape)), value,
+                              now) for value, now in zip(values, current)]
+
+        for variable, value in zip(variables, ops.cond(
+                ops.any(models), restored, lambda: current)):
+            variable.assign(value)
 
     def _uses_replica_jit(self, jit_compile, run_eagerly):
         # `jax.jit` compiles the whole step, distributed or not.

@@ -144,6 +144,10 @@ class TensorFlowTrainer:
         may be in the step's state)."""
         return variable.value
 
+    def _kept_training_value(self, variable):
+        """`_training_value(variable)`, kept from the steps that follow."""
+        return ops.copy(variable.value)
+
     def _distributed(self):
         """Whether the array trains under a `tf.distribute` strategy."""
         return compat.distribute_strategy(self) is not None
