@@ -48,302 +48,27 @@ as each B is measured (and a Markdown table to `results.md`), and
 speedup-vs-B curves to
 `<output_dir>/speedup_<model>.png` and
 `speedup.png` when matplotlib is installed.
+
+This module measures; its flags are parsed in `benchmarks.run_flags`, its
+worker processes started in `benchmarks.run_workers`, and its results
+written and drawn in `benchmarks.run_results`.
 """
 
-import argparse
-import csv
-import json
-import math
 import os
 import pathlib
 import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-from benchmarks import backends, flags, protocol
-from benchmarks.flags import parse_overrides
 from benchmarks.protocol import summarize
+from benchmarks.run_flags import parse_args, whole_executions
+from benchmarks.run_results import read_csv, report, write_csv
+from benchmarks.run_workers import WorkerError, run_concurrent, run_worker
 
-MODES = ("serial", "concurrent", "fused")
 # What `benchmark_model` records for a measurement that did not finish.
 TIMED_OUT, FAILED = "timed out", "failed"
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-# The columns of results.csv.
-COLUMNS = (
-    "model", "mode", "num_models", "batch_size", "steps", "epochs",
-    "repeats", "timeouts", "failures", "jit_compile", "models_per_pass",
-    "samples_per_s", "samples_per_s_min", "samples_per_s_max", "speedup",
-    "speedup_min", "speedup_max",
-    "cpu_samples_per_s", "cpu_speedup", "peak_rss_mb", "step_gflop",
-    "gflop_per_s", "matmul_peak_gflop_per_s", "percent_of_peak",
-    "load_average",
-)
-
-
-# What --quick sets, where the command line does not.
-QUICK_DEFAULTS = {"num_models": "1,2,4", "epochs": 2, "warmup_steps": 2,
-                  "epoch_seconds": 0.5}
-
-# Integer flags and the least value each takes.
-MINIMUMS = {"batch_size": 1, "epochs": 1, "warmup_steps": 1,
-            "data_batches": 1, "repeats": 1, "steps_per_execution": 1,
-            "stock_steps_per_execution": 1, "peak_size": 1}
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.run",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", default="mlp",
-                        help="comma list of zoo recipe names, or 'all'")
-    parser.add_argument("--num_models", default="1,2,4,8,16",
-                        help="comma list of array sizes B")
-    parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma list of: " + ", ".join(MODES))
-    parser.add_argument("--batch_size", type=int, default=64,
-                        help="samples per step of each model")
-    parser.add_argument("--steps", default="auto",
-                        help="timed steps per epoch; 'auto': as many as "
-                             "make a stock model's epoch last "
-                             "--epoch_seconds")
-    parser.add_argument("--epoch_seconds", type=float, default=2.0,
-                        help="target of --steps=auto")
-    parser.add_argument("--epochs", type=int, default=3,
-                        help="timed epochs (the median epoch is used)")
-    parser.add_argument("--warmup_steps", type=int, default=3,
-                        help="untimed steps before the timed epochs "
-                             "(tracing and compilation happen there)")
-    parser.add_argument("--data_batches", type=int, default=8,
-                        help="distinct batches cycled through")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="measurements of every mode and B")
-    parser.add_argument("--stock_jit", choices=("best", "true", "false"),
-                        default="best",
-                        help="jit_compile of stock models; 'best' measures "
-                             "both and keeps the faster")
-    parser.add_argument("--fused_jit",
-                        choices=("best", "auto", "true", "false"),
-                        default="best",
-                        help="jit_compile of the array; 'best' measures "
-                             "both (each in its own process) and keeps the "
-                             "faster, as for the stock models; 'auto' is "
-                             "hftatf's default")
-    parser.add_argument("--steps_per_execution", type=int, default=1,
-                        help="of the array")
-    parser.add_argument("--models_per_pass", default="auto",
-                        help="of the array's training step: 'auto' "
-                             "(hftatf's default), 'all' (one pass) or a "
-                             "positive integer (at most B: an array of "
-                             "fewer models takes them all in one pass)")
-    parser.add_argument("--stock_steps_per_execution", type=int, default=1,
-                        help="of the stock models")
-    parser.add_argument("--model_args", default="",
-                        help="builder arguments over the recipe's, as "
-                             "name=value pairs (tuples as (a;b))")
-    parser.add_argument("--data_args", default="",
-                        help="data arguments over the recipe's")
-    parser.add_argument("--output_dir", default="benchmark_results",
-                        help="where results.csv and the plots go")
-    parser.add_argument("--peak_size", type=int, default=2048,
-                        help="side of the matmul that measures the peak")
-    parser.add_argument("--peak_seconds", type=float, default=2.0,
-                        help="time spent measuring the matmul peak")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=3600,
-                        help="seconds allowed to one measurement; one that "
-                             "runs longer is recorded as timed out")
-    parser.add_argument("--append", action="store_true",
-                        help="keep the rows of other models already in "
-                             "<output_dir>/results.csv (a run split into "
-                             "several invocations, e.g. with other flags "
-                             "per model); the table and plots show all")
-    parser.add_argument("--report_only", action="store_true",
-                        help="measure nothing: print the table of "
-                             "<output_dir>/results.csv and redraw its "
-                             "results.md and plots (e.g. after installing "
-                             "matplotlib)")
-    backends.add_flag(parser)
-    parser.add_argument("--quick", action="store_true",
-                        help="a small run: the defaults become "
-                             + ", ".join(f"--{k} {v}"
-                                         for k, v in QUICK_DEFAULTS.items())
-                             + " (flags given explicitly still win)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        # Parsed again so that only the flags not given take the quick
-        # values.
-        parser.set_defaults(**QUICK_DEFAULTS)
-        args = parser.parse_args(argv)
-    flags.check_minimums(parser, args, MINIMUMS)
-    try:
-        # Before the zoo (and so Keras) is imported to check --model.
-        args.backend = backends.apply(args.backend)
-    except ValueError as error:
-        parser.error(str(error))
-    for name in ("epoch_seconds", "timeout"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name} must be a positive number of seconds; "
-                         f"received {getattr(args, name)}")
-    args.models = _models(parser, args.model)
-    args.num_models = flags.array_sizes(parser, args.num_models)
-    args.modes = flags.comma_list(parser, "--modes", args.modes)
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown --modes {unknown}; known: {list(MODES)}")
-    if args.steps != "auto":
-        try:
-            args.steps = int(args.steps)
-        except ValueError:
-            parser.error(f"--steps must be 'auto' or an integer; received "
-                         f"{args.steps!r}")
-        if args.steps < 1:
-            parser.error(f"--steps must be 'auto' or at least 1; received "
-                         f"{args.steps}")
-    # Whole executions only: a shorter last one would trace anew.
-    args.execution = math.lcm(args.steps_per_execution,
-                              args.stock_steps_per_execution)
-    args.warmup_steps = _whole(args.warmup_steps, args.execution)
-    if args.steps != "auto":
-        args.steps = _whole(args.steps, args.execution)
-    if args.models_per_pass not in ("auto", "all"):
-        try:
-            args.models_per_pass = int(args.models_per_pass)
-        except ValueError:
-            parser.error("--models_per_pass must be 'auto', 'all' or an "
-                         f"integer; received {args.models_per_pass!r}")
-        if args.models_per_pass < 1:
-            parser.error("--models_per_pass must be 'auto', 'all' or at "
-                         f"least 1; received {args.models_per_pass}")
-    args.model_args = parse_overrides(args.model_args)
-    args.data_args = parse_overrides(args.data_args)
-    return args
-
-
-def _models(parser, text):
-    """The zoo recipes `--model` names ('all': every one)."""
-    from hftatf.models import recipes
-
-    known = list(recipes.names())
-    models = flags.comma_list(parser, "--model", text)
-    if "all" in models:
-        if len(models) > 1:
-            parser.error("--model all stands alone: it names every zoo "
-                         f"recipe already; received {text!r}")
-        return known
-    unknown = [m for m in models if m not in known]
-    if unknown:
-        parser.error(f"unknown --model {', '.join(unknown)}; known: "
-                     f"{', '.join(known)} (or 'all')")
-    return models
-
-
-def _whole(steps, execution):
-    """`steps` (at least 1) rounded up to a multiple of `execution`."""
-    return -(-steps // execution) * execution
-
-
-# -- running workers -------------------------------------------------------
-
-
-def _command(spec):
-    return [sys.executable, "-m", "benchmarks.worker", json.dumps(spec)]
-
-
-def _environment():
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-class WorkerError(RuntimeError):
-    """A benchmark worker process that ended without a result."""
-
-
-def _parse_result(stdout, stderr, spec):
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(protocol.RESULT_PREFIX):
-            return json.loads(line[len(protocol.RESULT_PREFIX):])
-    raise WorkerError(
-        f"Benchmark worker {spec['task']} for {spec['model']} (B="
-        f"{spec.get('num_models')}) failed:\n{stderr[-4000:]}")
-
-
-def run_worker(spec, timeout):
-    """Runs one task in a fresh process; returns its result dict."""
-    done = subprocess.run(_command(spec), capture_output=True, text=True,
-                          cwd=ROOT, env=_environment(), timeout=timeout)
-    return _parse_result(done.stdout, done.stderr, spec)
-
-
-def run_concurrent(spec, num_models, timeout):
-    """B `single` workers at once: all warm up, then all start together.
-
-    Returns the per-process results. Raises `subprocess.TimeoutExpired`
-    when the whole measurement, warm-up included, takes over `timeout`
-    seconds.
-    """
-    processes, logs = [], []
-    deadline = time.monotonic() + timeout
-    # Waiting for READY blocks on a pipe: past the deadline this kills the
-    # workers, which ends the wait.
-    expired = threading.Event()
-    alarm = threading.Timer(timeout, _expire, (expired, processes))
-    try:
-        for index in range(num_models):
-            log = tempfile.TemporaryFile(mode="w+")
-            logs.append(log)
-            processes.append(subprocess.Popen(
-                _command({**spec, "task": "single",
-                          "seed": spec["seed"] + index}),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                text=True, cwd=ROOT, env=_environment()))
-        alarm.start()
-        for process, log in zip(processes, logs):
-            line = process.stdout.readline()
-            while line and line.strip() != protocol.READY:
-                line = process.stdout.readline()
-            if expired.is_set():
-                raise subprocess.TimeoutExpired(_command(spec), timeout)
-            if not line:
-                log.seek(0)
-                raise WorkerError(
-                    f"A concurrent worker for {spec['model']} exited "
-                    f"before it was ready:\n{log.read()[-4000:]}")
-        alarm.cancel()
-        for process in processes:
-            process.stdin.write("go\n")
-            process.stdin.flush()
-        results = []
-        for process, log in zip(processes, logs):
-            stdout, _ = process.communicate(
-                timeout=max(0.0, deadline - time.monotonic()))
-            log.seek(0)
-            results.append(_parse_result(stdout, log.read(), spec))
-        return results
-    finally:
-        alarm.cancel()
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        for log in logs:
-            log.close()
-
-
-def _expire(expired, processes):
-    expired.set()
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-
-
-# -- one model -------------------------------------------------------------
 
 
 def _missing(measurement):
@@ -369,7 +94,7 @@ def probe_model(args, name, base):
     print(f"[{name}] probing the stock model (jit_compile "
           f"{', '.join(str(s) for s in settings)})...", flush=True)
     probe_steps = (args.steps if args.steps != "auto"
-                   else _whole(10, args.execution))
+                   else whole_executions(10, args.execution))
     result = run_worker({**base, "task": "probe", "steps": probe_steps,
                          "jit_settings": settings,
                          "peak_size": args.peak_size,
@@ -379,7 +104,7 @@ def probe_model(args, name, base):
     jit = min(seconds, key=seconds.get)
     steps = args.steps
     if steps == "auto":
-        steps = _whole(max(5, min(1000, round(
+        steps = whole_executions(max(5, min(1000, round(
             args.epoch_seconds / seconds[jit]))), args.execution)
     timings = ", ".join(f"{1e3 * s:.1f} ms with jit_compile={j}"
                         for j, s in seconds.items())
@@ -566,173 +291,6 @@ def _row(args, name, mode, num_models, values, serial, probe):
     return row
 
 
-# -- reporting -------------------------------------------------------------
-
-
-def _format(value, digits=1):
-    if value is None or value == "":
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _throughput(row):
-    """A row's samples/s as printed: "failed" where no measurement of it
-    finished and one crashed, "timed out" where they all ran past
-    --timeout."""
-    if row.get("samples_per_s") is None:
-        if row.get("failures"):
-            return "failed"
-        if row.get("timeouts"):
-            return "timed out"
-    return _format(row.get("samples_per_s"), 0)
-
-
-def print_table(rows):
-    header = (f"{'model':<16}{'mode':<11}{'B':>4}{'samples/s':>12}"
-              f"{'speedup':>9}{'range':>13}{'CPU-time':>9}{'RSS MiB':>9}"
-              f"{'GFLOP/s':>9}{'% peak':>8}")
-    print(header)
-    for row in rows:
-        spread = ""
-        if row.get("speedup_min") is not None and row["repeats"] > 1:
-            spread = (f"{row['speedup_min']:.2f}-{row['speedup_max']:.2f}")
-        print(f"{row['model']:<16}{row['mode']:<11}{row['num_models']:>4}"
-              f"{_throughput(row):>12}"
-              f"{_format(row.get('speedup'), 2):>9}{spread:>13}"
-              f"{_format(row.get('cpu_speedup'), 2):>9}"
-              f"{_format(row.get('peak_rss_mb'), 0):>9}"
-              f"{_format(row.get('gflop_per_s'), 2):>9}"
-              f"{_format(row.get('percent_of_peak'), 1):>8}")
-
-
-def markdown_table(rows):
-    """The rows as a Markdown table, one line per model and B: each mode's
-    throughput, the fused and concurrent speedups over serial (wall-clock,
-    then in processor time), the peak memory of each mode, and the fused
-    array's share of the matmul peak."""
-    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
-    header = (["model", "B"] + [f"{m} samples/s" for m in modes]
-              + [f"{m} speedup" for m in modes if m != "serial"]
-              + [f"{m} CPU-time speedup" for m in modes if m != "serial"]
-              + [f"{m} MiB" for m in modes] + ["fused % of peak",
-                                               "fused XLA",
-                                               "fused models/pass"])
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "---|" * len(header)]
-    keys = sorted({(r["model"], r["num_models"]) for r in rows},
-                  key=lambda key: (_order(rows, key[0]), key[1]))
-    for model, num_models in keys:
-        by_mode = {r["mode"]: r for r in rows if r["model"] == model
-                   and r["num_models"] == num_models}
-        fused = by_mode.get("fused", {})
-        cells = ([model, str(num_models)]
-                 + [_throughput(by_mode.get(m, {})) for m in modes]
-                 + [_format(by_mode.get(m, {}).get("speedup"), 2)
-                    for m in modes if m != "serial"]
-                 + [_format(by_mode.get(m, {}).get("cpu_speedup"), 2)
-                    for m in modes if m != "serial"]
-                 + [_format(by_mode.get(m, {}).get("peak_rss_mb"), 0)
-                    for m in modes]
-                 + [_format(fused.get("percent_of_peak"), 1),
-                    _format(fused.get("jit_compile")),
-                    _format(fused.get("models_per_pass"))])
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _order(rows, model):
-    """Models in the order they were measured."""
-    return next(i for i, r in enumerate(rows) if r["model"] == model)
-
-
-def write_csv(rows, path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({key: row.get(key, "") for key in COLUMNS})
-
-
-def read_csv(path):
-    """The rows of a results.csv written by `write_csv`, numbers parsed
-    (empty cells are None); [] when there is no such file."""
-    if not path.exists():
-        return []
-    rows = []
-    with open(path, newline="") as file:
-        for row in csv.DictReader(file):
-            parsed = {}
-            for key, value in row.items():
-                if value == "":
-                    parsed[key] = None
-                elif key in ("model", "mode"):
-                    parsed[key] = value
-                elif key == "jit_compile":
-                    parsed[key] = value == "True"
-                elif key == "models_per_pass":
-                    # A count, or how the array sizes its passes ("auto"
-                    # for an array that trains all its models at once).
-                    parsed[key] = int(value) if value.isdigit() else value
-                else:
-                    number = float(value)
-                    parsed[key] = int(number) if key in (
-                        "num_models", "batch_size", "steps", "epochs",
-                        "repeats", "timeouts", "failures") else number
-            rows.append(parsed)
-    return rows
-
-
-def plot(rows, directory):
-    """Speedup over serial against B: one PNG per model and one of every
-    model's fused curve. Returns the files written ([] without
-    matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'hftatf[bench]'): "
-              "no plots.")
-        return []
-    written = []
-    models = sorted({r["model"] for r in rows})
-
-    def curve(axes, model, mode, **style):
-        points = sorted((r["num_models"], r["speedup"]) for r in rows
-                        if r["model"] == model and r["mode"] == mode
-                        and r.get("speedup") is not None)
-        if points:
-            axes.plot(*zip(*points), marker="o", **style)
-
-    def finish(figure, axes, title, path):
-        axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-        axes.set_xscale("log", base=2)
-        axes.set_xlabel("models B")
-        axes.set_ylabel("speedup over serial stock fit")
-        axes.set_title(title)
-        if axes.get_legend_handles_labels()[0]:
-            axes.legend()
-        figure.tight_layout()
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        written.append(path)
-
-    for model in models:
-        figure, axes = plt.subplots(figsize=(5, 3.5))
-        for mode in ("fused", "concurrent"):
-            curve(axes, model, mode, label=mode)
-        finish(figure, axes, model, directory / f"speedup_{model}.png")
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for model in models:
-        curve(axes, model, "fused", label=model)
-    finish(figure, axes, "fused array vs serial", directory / "speedup.png")
-    return written
-
-
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     directory = pathlib.Path(args.output_dir)
@@ -784,22 +342,6 @@ def _check_writable(directory):
             f"--output_dir {str(directory)!r} cannot hold the results "
             f"({error}); pass a directory this user can create and write "
             "to.") from error
-
-
-def report(rows, directory):
-    """Prints the table of `rows` and writes its plots and results.md
-    into `directory` (created if need be)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    print_table(rows)
-    peaks = [row["matmul_peak_gflop_per_s"] for row in rows
-             if row.get("matmul_peak_gflop_per_s")]
-    if peaks:
-        print(f"matmul peak: {peaks[-1]:.1f} GFLOP/s")
-    for path in plot(rows, directory):
-        print(f"wrote {path}")
-    (directory / "results.md").write_text(markdown_table(rows))
-    print(f"wrote {directory / 'results.md'}")
-    return rows
 
 
 if __name__ == "__main__":

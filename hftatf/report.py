@@ -14,7 +14,12 @@ import math
 import keras
 import numpy as np
 
-from hftatf.core.logs import monitor_direction, ordered_names, split_logs
+from hftatf.core.logs import (
+    as_given,
+    monitor_direction,
+    ordered_names,
+    split_logs,
+)
 
 BEST_MARK = "*"
 
@@ -160,12 +165,9 @@ def format_value(value):
 
 
 def format_hyperparameter(value):
-    """A hyper-parameter as its user wrote it: `0.03`, also where it went
-    through float32 (`0.029999999329447746`)."""
-    if isinstance(value, (float, np.floating)):
-        text = repr(float(value))
-        return text if len(text) <= 10 else f"{float(value):.7g}"
-    return str(value)
+    """A hyper-parameter as its user wrote it (`hftatf.core.logs.as_given`):
+    `0.03`, also where it went through float32 (`0.029999999329447746`)."""
+    return str(as_given(value))
 
 
 def format_table(rows, hyperparameters=(), best=None, previous=None):

@@ -9,6 +9,7 @@ import pytest
 
 import hftatf
 from hftatf import report
+from hftatf.core import logs
 
 RATES = [0.3, 0.1, 0.03]
 
@@ -100,6 +101,15 @@ def test_hyperparameters_are_shown_as_given():
     assert report.format_hyperparameter(float(np.float32(0.03))) == "0.03"
     assert report.format_hyperparameter(1e-4) == "0.0001"
     assert report.format_hyperparameter(0.1234567) == "0.1234567"
+    # A float64 keeps its digits: two models' values never read the same.
+    assert report.format_hyperparameter(0.12345671) == "0.12345671"
+    assert report.format_hyperparameter(np.float64(1 / 3)) == str(1 / 3)
+    assert report.format_hyperparameter(np.float32(1e-5)) == "1e-05"
+    assert report.format_hyperparameter(3) == "3"
+    assert report.format_hyperparameter("adam") == "adam"
+    # The value itself, for JSON: as given, beyond float32's range too.
+    assert logs.as_given(float(np.float32(0.03))) == 0.03
+    assert logs.as_given(1e300) == 1e300
     rows = [{"model": 0, "learning_rate": float(np.float32(0.03)),
              "loss": 0.5}]
     assert "0.03 " in report.format_table(rows, ["learning_rate"]) + " "

@@ -149,12 +149,20 @@ def monitor_direction(model, monitor, num_models=None):
 
 
 def as_given(value):
-    """A hyper-parameter's value as its user wrote it: a NumPy scalar as the
-    shortest decimal that reads back as the same value of its dtype (a
-    float32 `0.03`, not `0.029999999329447746`), as a Python float; other
-    values unchanged."""
+    """A hyper-parameter's value as its user wrote it, as a Python float:
+    the shortest decimal that reads back as the same value of its dtype (a
+    float32 `0.03`, not `0.029999999329447746`). A NumPy float has its
+    dtype; a Python float that holds a float32 exactly (one read out of an
+    array's float32 variable, e.g. with `tolist()`) reads as that float32,
+    any other keeps all its digits. Values other than floats unchanged.
+    `str(as_given(value))` shows it."""
     if isinstance(value, np.floating):
         return float(str(value))
+    if isinstance(value, float):
+        with np.errstate(over="ignore"):
+            single = np.float32(value)
+        if float(single) == value:
+            return float(str(single))
     return value
 
 

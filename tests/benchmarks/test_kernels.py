@@ -1,5 +1,5 @@
-"""`benchmarks.kernels`: the fused XLA programs compute each model's own
-training step, and the command runs end to end.
+"""`benchmarks.kernels`: the fused XLA programs (`benchmarks.kernel_forms`)
+compute each model's own training step, and the command runs end to end.
 
 The benchmark runs under JAX, in subprocesses (JAX and TensorFlow each
 bring their own XLA runtime, kept out of the test process).
@@ -21,11 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
 
 
 def _python(code):
-    """Runs `code` after `import benchmarks.kernels as k` with JAX set up
-    and the quick shapes; returns its last line of output."""
-    prelude = ("import benchmarks.kernels as k\n"
-               "k.jax, k.jnp = k._import_jax()\n"
-               "k.parse_args(['--quick'])\n")
+    """Runs `code` after `import benchmarks.kernel_forms as k` with the
+    quick shapes; returns its last line of output."""
+    prelude = ("import benchmarks.kernel_forms as k\n"
+               "import benchmarks.kernels\n"
+               "benchmarks.kernels.parse_args(['--quick'])\n")
     result = subprocess.run(
         [sys.executable, "-c", prelude + code], cwd=ROOT, env=_env(),
         capture_output=True, text=True, timeout=600)

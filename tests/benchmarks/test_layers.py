@@ -8,6 +8,11 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.backends(
+    "tensorflow", reason="benchmarks.layers times TensorFlow steps "
+    "(tf.function, GradientTape) of the layers Keras builds")
+pytest.importorskip("tensorflow")
+
 # The harness lives next to the package, not inside it.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 

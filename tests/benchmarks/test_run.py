@@ -18,7 +18,14 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import backends, measure, run, worker  # noqa: E402
+from benchmarks import (  # noqa: E402
+    backends,
+    measure,
+    run,
+    run_results,
+    run_workers,
+    worker,
+)
 from benchmarks.workloads import (  # noqa: E402
     CycledBatches,
     Workload,
@@ -325,10 +332,10 @@ def test_a_failed_probe_skips_its_model(tmp_path, monkeypatch):
 
 def test_a_crashed_concurrent_worker_is_a_worker_error(monkeypatch):
     spec = {"model": "mlp", "seed": 0}
-    monkeypatch.setattr(run, "_command", lambda spec: [
+    monkeypatch.setattr(run_workers, "_command", lambda spec: [
         sys.executable, "-c", "import sys; sys.exit('no READY line')"])
-    with pytest.raises(run.WorkerError, match="no READY line"):
-        run.run_concurrent(spec, 2, timeout=60)
+    with pytest.raises(run_workers.WorkerError, match="no READY line"):
+        run_workers.run_concurrent(spec, 2, timeout=60)
 
 
 def test_concurrent_throughput_sums_each_process_median_epoch(monkeypatch):
@@ -522,7 +529,7 @@ def test_smoke_run_writes_a_well_formed_csv(tmp_path):
         "--peak_seconds", "0.05", "--output_dir", str(tmp_path)])
     with open(tmp_path / "results.csv") as file:
         table = list(csv.DictReader(file))
-    assert tuple(table[0]) == run.COLUMNS
+    assert tuple(table[0]) == run_results.COLUMNS
     assert table[0]["model"] == "pointnet"
     assert float(table[0]["samples_per_s"]) == 10.0
     table = table[1:]

@@ -27,8 +27,6 @@ the stock layers.
 import keras
 from keras import ops
 
-# The stock equation builders: using them keeps the fused weights' shapes
-# and the order of attention axes exactly those of the stock layer.
 from hftatf.core.axis import fold_models, swap_model_axis, unfold_models
 from hftatf.core.validation import check_model_axis
 from hftatf.layers.base import FusedLayer
@@ -38,9 +36,12 @@ from hftatf.layers.einsum_dense import FusedEinsumDense
 class FusedAttentionBase(FusedLayer):
     """Shared machinery of the fused attention layers.
 
-    Subclasses build their projections with `_dense`, set the stock
-    `_dot_product_equation` and `_combine_equation`, `_softmax`,
-    `_dropout_layer` and `_scale`, and call `_compute_attention`.
+    Subclasses build their projections `_query_dense`, `_key_dense`,
+    `_value_dense`, `_output_dense` (and `_gate_dense` with `use_gate`)
+    with `_dense`, set the stock `_dot_product_equation` and
+    `_combine_equation`, `_softmax`, `_dropout_layer` and `_scale`, say
+    the shape of their attention scores (`_scores_shape`), and call
+    `_attend`.
 
     Randomness: attention dropout draws over the whole `[batch, B, ...]`
     probability tensor, so each model gets its own independent mask.
@@ -82,16 +83,25 @@ class FusedAttentionBase(FusedLayer):
         self._bias_constraint = keras.constraints.get(bias_constraint)
         self.seed = seed
 
-    def _dense(self, equation, output_shape, bias_axes, name,
+    @property
+    def dropout(self):
+        return self._dropout
+
+    @property
+    def use_bias(self):
+        return self._use_bias
+
+    def _dense(self, equation, output_shape, bias_axes, name, input_shape,
                activation=None):
         """A projection sublayer, configured as the stock layer configures
         its `EinsumDense` sublayers (each gets its own copy of the
-        initializers, as in the stock layer)."""
+        initializers, as in the stock layer), built for the fused
+        `input_shape`."""
         kernel_initializer = type(self._kernel_initializer).from_config(
             self._kernel_initializer.get_config())
         bias_initializer = type(self._bias_initializer).from_config(
             self._bias_initializer.get_config())
-        return FusedEinsumDense(
+        dense = FusedEinsumDense(
             self.num_models,
             equation,
             output_shape=output_shape,
@@ -107,6 +117,8 @@ class FusedAttentionBase(FusedLayer):
             dtype=self.dtype_policy,
             name=name,
         )
+        dense.build(input_shape)
+        return dense
 
     def _build_softmax_and_dropout(self, scores_rank, num_axes):
         """Softmax over the last `num_axes` axes of per-model scores of rank
@@ -309,8 +321,53 @@ class FusedAttentionBase(FusedLayer):
                 and type(self)._compute_attention
                 is FusedAttentionBase._compute_attention)
 
-    def _sublayer_config(self):
-        return {
+    def _attend(self, query, value, key, query_mask, value_mask, key_mask,
+                attention_mask, training, return_attention_scores,
+                use_causal_mask, num_axes=1):
+        """`(output, scores)` of the stock layer's call on fused inputs
+        (`key` given): the masks merged, query, key and value projected,
+        attention, the gate, the output projection."""
+        attention_mask = self._model_attention_mask(attention_mask, query,
+                                                    num_axes)
+        causal_only = self._causal_only(use_causal_mask, query_mask,
+                                        value_mask, key_mask, attention_mask)
+        if not causal_only:
+            attention_mask = self._compute_attention_mask(
+                query, value, query_mask=query_mask, value_mask=value_mask,
+                key_mask=key_mask, attention_mask=attention_mask,
+                use_causal_mask=use_causal_mask)
+        models_first = self._query_dense.products_models_first(query.shape)
+        if self._use_gate:
+            gate = self._gate_dense(query)
+        output, scores = self._compute_attention(
+            self._query_dense(query), self._key_dense(key),
+            self._value_dense(value), attention_mask, training,
+            return_attention_scores, use_causal_mask=causal_only,
+            num_axes=num_axes, models_first=models_first)
+        if self._use_gate:
+            output = ops.multiply(output, gate)
+        return self._output_dense(output), scores
+
+    def compute_output_spec(self, query, value, key=None, query_mask=None,
+                            value_mask=None, key_mask=None,
+                            attention_mask=None,
+                            return_attention_scores=False, training=None,
+                            use_causal_mask=False):
+        output_spec = keras.KerasTensor(
+            self.compute_output_shape(
+                query.shape, value.shape,
+                None if key is None else key.shape),
+            dtype=self.compute_dtype)
+        if not return_attention_scores:
+            return output_spec
+        return output_spec, keras.KerasTensor(
+            self._scores_shape(query.shape, value.shape,
+                               value.shape if key is None else key.shape),
+            dtype=self.compute_dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
             "dropout": self._dropout,
             "use_bias": self._use_bias,
             "use_gate": self._use_gate,
@@ -330,4 +387,5 @@ class FusedAttentionBase(FusedLayer):
             "bias_constraint": keras.constraints.serialize(
                 self._bias_constraint),
             "seed": self.seed,
-        }
+        })
+        return config

@@ -5,8 +5,6 @@ import math
 import keras
 from keras import ops
 
-# The stock equation builders: using them keeps the fused weights' shapes
-# and the order of attention axes exactly those of the stock layer.
 from hftatf.api import hftatf_export
 from hftatf.layers import registry
 from hftatf.layers.attention.base_attention import FusedAttentionBase
@@ -82,14 +80,6 @@ class FusedGroupQueryAttention(FusedAttentionBase):
         self._dot_product_equation = "bquh,bkuh->buqk"
         self._combine_equation = "buqk,bkuh->bquh"
 
-    @property
-    def dropout(self):
-        return self._dropout
-
-    @property
-    def use_bias(self):
-        return self._use_bias
-
     def build(self, query_shape, value_shape, key_shape=None):
         """Builds from fused shapes `[batch, B, ...]`."""
         key_shape = value_shape if key_shape is None else key_shape
@@ -98,22 +88,19 @@ class FusedGroupQueryAttention(FusedAttentionBase):
         query_heads = (None, self.num_query_heads, self.head_dim)
         kv_heads = (None, self.num_key_value_heads, self.head_dim)
         self._query_dense = self._dense(
-            "bqm,muh->bquh", query_heads, "uh", "query")
-        self._query_dense.build(query_shape)
-        self._key_dense = self._dense("bkm,mvh->bkvh", kv_heads, "vh", "key")
-        self._key_dense.build(key_shape)
+            "bqm,muh->bquh", query_heads, "uh", "query", query_shape)
+        self._key_dense = self._dense(
+            "bkm,mvh->bkvh", kv_heads, "vh", "key", key_shape)
         if self._use_gate:
             self._gate_dense = self._dense(
-                "bqm,muh->bquh", query_heads, "uh", "gate", "sigmoid")
-            self._gate_dense.build(query_shape)
+                "bqm,muh->bquh", query_heads, "uh", "gate", query_shape,
+                "sigmoid")
         self._value_dense = self._dense(
-            "bkm,mvh->bkvh", kv_heads, "vh", "value")
-        self._value_dense.build(value_shape)
+            "bkm,mvh->bkvh", kv_heads, "vh", "value", value_shape)
         self._build_softmax_and_dropout(4, 1)
         self._output_dense = self._dense(
             "bquh,uhm->bqm", (None, self.feature_dim), "m",
-            "attention_output")
-        self._output_dense.build(
+            "attention_output",
             (None, self.num_models, None, self.num_query_heads,
              self.head_dim))
 
@@ -130,27 +117,10 @@ class FusedGroupQueryAttention(FusedAttentionBase):
              key_mask=None, attention_mask=None,
              return_attention_scores=False, training=None,
              use_causal_mask=False):
-        if key is None:
-            key = value
-        attention_mask = self._model_attention_mask(attention_mask, query, 1)
-        causal_only = self._causal_only(use_causal_mask, query_mask,
-                                        value_mask, key_mask, attention_mask)
-        if not causal_only:
-            attention_mask = self._compute_attention_mask(
-                query, value, query_mask=query_mask, value_mask=value_mask,
-                key_mask=key_mask, attention_mask=attention_mask,
-                use_causal_mask=use_causal_mask)
-        models_first = self._query_dense.products_models_first(query.shape)
-        if self._use_gate:
-            gate = self._gate_dense(query)
-        output, scores = self._compute_attention(
-            self._query_dense(query), self._key_dense(key),
-            self._value_dense(value), attention_mask, training,
-            return_attention_scores, use_causal_mask=causal_only,
-            models_first=models_first)
-        if self._use_gate:
-            output = ops.multiply(output, gate)
-        output = self._output_dense(output)
+        output, scores = self._attend(
+            query, value, value if key is None else key, query_mask,
+            value_mask, key_mask, attention_mask, training,
+            return_attention_scores, use_causal_mask)
         if return_attention_scores:
             return output, scores
         return output
@@ -166,34 +136,16 @@ class FusedGroupQueryAttention(FusedAttentionBase):
         self._check_shapes(query_shape, value_shape, key_shape)
         return query_shape
 
-    def compute_output_spec(self, query, value, key=None, query_mask=None,
-                            value_mask=None, key_mask=None,
-                            attention_mask=None,
-                            return_attention_scores=False, training=None,
-                            use_causal_mask=False):
-        output_spec = keras.KerasTensor(
-            self.compute_output_shape(
-                query.shape, value.shape,
-                None if key is None else key.shape),
-            dtype=self.compute_dtype)
-        if not return_attention_scores:
-            return output_spec
-        source = value if key is None else key
-        scores_shape = (query.shape[0], self.num_models,
-                        self.num_query_heads, query.shape[2],
-                        source.shape[2])
-        return output_spec, keras.KerasTensor(scores_shape,
-                                              dtype=self.compute_dtype)
+    def _scores_shape(self, query_shape, value_shape, key_shape):
+        """`[batch, B, num_query_heads, T, S]`."""
+        return (query_shape[0], self.num_models, self.num_query_heads,
+                query_shape[2], key_shape[2])
 
     def get_config(self):
-        config = super().get_config()
-        config.update({
-            "head_dim": self.head_dim,
-            "num_query_heads": self.num_query_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            **self._sublayer_config(),
-        })
-        return config
+        return {**super().get_config(),
+                "head_dim": self.head_dim,
+                "num_query_heads": self.num_query_heads,
+                "num_key_value_heads": self.num_key_value_heads}
 
 
 # The stock class is exported as `GroupQueryAttention` but named

@@ -3,7 +3,6 @@
 import math
 
 import keras
-from keras import ops
 
 from hftatf.api import hftatf_export
 from hftatf.core import compat
@@ -115,14 +114,6 @@ class FusedMultiHeadAttention(FusedAttentionBase):
         return self._value_dim
 
     @property
-    def dropout(self):
-        return self._dropout
-
-    @property
-    def use_bias(self):
-        return self._use_bias
-
-    @property
     def attention_axes(self):
         return self._attention_axes
 
@@ -159,27 +150,25 @@ class FusedMultiHeadAttention(FusedAttentionBase):
             value_shape, [heads, self._value_dim], "value")
         self._build_attention(len(value_shape))
         output_shape = self._output_shape or [query_shape[-1]]
-        equation, bias_axes, output_rank = compat.build_proj_equation(
-            len(query_shape) - 2, bound_dims=2,
-            output_dims=len(output_shape))
-        self._output_dense = self._dense(
-            equation,
-            compat.projection_output_shape(output_rank - 1, output_shape),
-            bias_axes, "attention_output")
-        dense_input_shape = list(
+        attended_shape = list(
             self._query_dense.compute_output_shape(query_shape))
-        dense_input_shape[-1] = self._value_dim
-        self._output_dense.build(tuple(dense_input_shape))
+        attended_shape[-1] = self._value_dim
+        self._output_dense = self._projection(
+            tuple(attended_shape), output_shape, "attention_output",
+            bound_dims=2)
 
-    def _projection(self, input_shape, last_dims, name, activation=None):
+    def _projection(self, input_shape, last_dims, name, activation=None,
+                    bound_dims=1):
+        """A projection of fused `input_shape` onto `last_dims`, by the
+        stock equation contracting its last `bound_dims` axes (the stock
+        builder keeps the weights' shapes those of the stock layer)."""
         equation, bias_axes, output_rank = compat.build_proj_equation(
-            len(input_shape) - 2, bound_dims=1, output_dims=2)
-        dense = self._dense(
+            len(input_shape) - 1 - bound_dims, bound_dims=bound_dims,
+            output_dims=len(last_dims))
+        return self._dense(
             equation,
             compat.projection_output_shape(output_rank - 1, last_dims),
-            bias_axes, name, activation)
-        dense.build(input_shape)
-        return dense
+            bias_axes, name, input_shape, activation)
 
     def _build_attention(self, rank):
         # `rank`: of a projected per-model tensor, as in the stock layer; it
@@ -209,29 +198,10 @@ class FusedMultiHeadAttention(FusedAttentionBase):
         compat.set_keras_mask(query, None)
         compat.set_keras_mask(value, None)
         compat.set_keras_mask(key, None)
-        num_axes = len(self._attention_axes)
-        attention_mask = self._model_attention_mask(attention_mask, query,
-                                                    num_axes)
-        causal_only = self._causal_only(use_causal_mask, query_mask,
-                                        value_mask, key_mask, attention_mask)
-        if not causal_only:
-            attention_mask = self._compute_attention_mask(
-                query, value, query_mask=query_mask, value_mask=value_mask,
-                key_mask=key_mask, attention_mask=attention_mask,
-                use_causal_mask=use_causal_mask)
-        models_first = self._query_dense.products_models_first(query.shape)
-        if self._use_gate:
-            gate = self._gate_dense(query)
-        query = self._query_dense(query)
-        key = self._key_dense(key)
-        value = self._value_dense(value)
-        attention_output, attention_scores = self._compute_attention(
-            query, key, value, attention_mask, training,
-            return_attention_scores, use_causal_mask=causal_only,
-            num_axes=num_axes, models_first=models_first)
-        if self._use_gate:
-            attention_output = ops.multiply(attention_output, gate)
-        attention_output = self._output_dense(attention_output)
+        attention_output, attention_scores = self._attend(
+            query, value, key, query_mask, value_mask, key_mask,
+            attention_mask, training, return_attention_scores,
+            use_causal_mask, num_axes=len(self._attention_axes))
         if query_mask is not None:
             compat.set_keras_mask(attention_output, query_mask)
         if return_attention_scores:
@@ -247,37 +217,21 @@ class FusedMultiHeadAttention(FusedAttentionBase):
             query_shape = query_shape[:-1] + self._output_shape
         return query_shape
 
-    def compute_output_spec(self, query, value, key=None, query_mask=None,
-                            value_mask=None, key_mask=None,
-                            attention_mask=None,
-                            return_attention_scores=False, training=None,
-                            use_causal_mask=False):
-        output_spec = keras.KerasTensor(
-            self.compute_output_shape(
-                query.shape, value.shape,
-                None if key is None else key.shape),
-            dtype=self.compute_dtype)
-        if not return_attention_scores:
-            return output_spec
-        inner = range(1, len(query.shape) - 2)
+    def _scores_shape(self, query_shape, value_shape, key_shape):
+        """`[batch, B, *other axes, num_heads, *target axes, *source
+        axes]`, the attention axes as in the stock layer."""
+        inner = range(1, len(query_shape) - 2)
         axes = self._attention_axes or tuple(inner)
-        scores_shape = (
-            query.shape[0], self.num_models,
-            *(query.shape[a + 1] for a in inner if a not in axes),
-            self._num_heads,
-            *(query.shape[a + 1] for a in axes),
-            *(value.shape[a + 1] for a in axes))
-        return output_spec, keras.KerasTensor(scores_shape,
-                                              dtype=self.compute_dtype)
+        return (query_shape[0], self.num_models,
+                *(query_shape[a + 1] for a in inner if a not in axes),
+                self._num_heads,
+                *(query_shape[a + 1] for a in axes),
+                *(value_shape[a + 1] for a in axes))
 
     def get_config(self):
-        config = super().get_config()
-        config.update({
-            "num_heads": self._num_heads,
-            "key_dim": self._key_dim,
-            "value_dim": self._value_dim,
-            "output_shape": self._output_shape,
-            "attention_axes": self._attention_axes,
-            **self._sublayer_config(),
-        })
-        return config
+        return {**super().get_config(),
+                "num_heads": self._num_heads,
+                "key_dim": self._key_dim,
+                "value_dim": self._value_dim,
+                "output_shape": self._output_shape,
+                "attention_axes": self._attention_axes}
