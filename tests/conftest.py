@@ -61,13 +61,29 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if "gpu" in item.keywords]
 
 
+# Resident memory of a test worker past which JAX's compiled programs are
+# dropped after a test.
+_JAX_CACHE_LIMIT = 2 * 2**30
+
+
+def _resident_bytes():
+    """This process's resident memory (Linux; elsewhere as if past the
+    limit)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return _JAX_CACHE_LIMIT + 1
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     keras.utils.set_random_seed(1234)
     yield
-    if BACKEND == "jax":
+    if BACKEND == "jax" and _resident_bytes() > _JAX_CACHE_LIMIT:
         # JAX keeps every program it compiled: a worker running hundreds
-        # of tests would grow by gigabytes.
+        # of tests would grow by gigabytes. Dropped only past a limit, as
+        # the next tests compile many of the same programs again.
         import jax
 
         jax.clear_caches()
