@@ -319,7 +319,7 @@ def test_global_batch_must_split_between_replicas(tmp_path, monkeypatch):
     class FourReplicas:
         num_replicas_in_sync = 4
 
-    def make_strategy(config, num_models=1):
+    def make_strategy(config, num_models=1, tf_data=True):
         strategies.append(config.strategy)
         return FourReplicas()
 
