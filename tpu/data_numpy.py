@@ -20,15 +20,8 @@ import keras
 
 from hftatf import distribute
 from hftatf.distribution import distribution_from_name
+from hftatf.tpu import epochs
 from hftatf.tpu.config import ConfigError
-from hftatf.tpu.epochs import (
-    Inputs,
-    check_one_step,
-    check_validation_steps,
-    log_resumption,
-    per_replica_batch_size,
-    whole_steps,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +194,7 @@ def distributed_inputs(placement, source, global_batch_size,
     are all whole where the distribution splits them (or
     `static_shapes`)."""
     replicas = placement.num_replicas_in_sync
-    per_replica_batch_size(global_batch_size, replicas)
+    epochs.per_replica_batch_size(global_batch_size, replicas)
     context = placement.context
     shards = context.num_input_pipelines
     batch = global_batch_size // shards
@@ -219,25 +212,26 @@ def distributed_inputs(placement, source, global_batch_size,
     smallest = _batches(train, batch, whole=True) // shards
     pass_steps = smallest
     if train_steps:
-        check_one_step(smallest, 1, batch, source.description)
+        epochs.check_one_step(smallest, 1, batch, source.description)
     else:
-        pass_steps = whole_steps(smallest, 1, batch, steps_per_execution,
-                                 "training", source.description)
+        pass_steps = epochs.whole_steps(
+            smallest, 1, batch, steps_per_execution, "training",
+            source.description)
     steps_per_epoch = train_steps or pass_steps
     validation_steps = 0
     if validation is not None and eval_steps != 0:
         fewest = _batches(validation, batch, static_shapes) // shards
         if eval_steps:
-            check_validation_steps(fewest, eval_steps, 1, batch,
-                                   source.description)
+            epochs.check_validation_steps(
+                fewest, eval_steps, 1, batch, source.description)
             validation_steps = eval_steps
         else:
-            validation_steps = whole_steps(
+            validation_steps = epochs.whole_steps(
                 fewest, 1, batch, steps_per_execution, "validation",
                 source.description)
     skip = initial_epoch * steps_per_epoch
-    log_resumption(initial_epoch, skip)
-    return Inputs(
+    epochs.log_resumption(initial_epoch, skip)
+    return epochs.Inputs(
         train=TrainingStream(lambda: one_pass()[0], pass_steps, context,
                              start=skip, opened=train),
         validation=ValidationBatches(validation, validation_steps, context)
