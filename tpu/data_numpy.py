@@ -19,7 +19,6 @@ import dataclasses
 import keras
 
 from hftatf import distribute
-from hftatf.distribution import distribution_from_name
 from hftatf.tpu import epochs
 from hftatf.tpu.config import ConfigError
 
@@ -74,10 +73,7 @@ def placement(name, num_models):
     Raises:
         ValueError: where the devices cannot hold the array that way.
     """
-    distribution = distribution_from_name(
-        distribute.JAX_DISTRIBUTIONS[name], num_models)
-    keras.distribution.set_distribution(distribution)
-    return Placement(distribution)
+    return Placement(distribute.set_jax_distribution(name, num_models))
 
 
 class TrainingStream(keras.utils.PyDataset):

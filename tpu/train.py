@@ -99,10 +99,12 @@ def define_flags(flag_values=FLAGS):
         "On tensorflow: tpu, a TPUStrategy on --tpu; mirrored, every local "
         "GPU (or the CPU); cpu, one CPU device; auto, a TPU where there is "
         "one, else the GPUs, else the CPU. On jax: keras.distribution "
-        "instead of tf.distribute: mirrored and auto, DataParallel over "
-        "every device JAX sees (a TPU VM's chips, the GPUs, else the CPU); "
-        "tpu, the same after keras.distribution.initialize() on every host "
-        "of a pod slice; cpu, one CPU device.")
+        "instead of tf.distribute: auto, over every device JAX sees (a TPU "
+        "VM's chips, the GPUs, else the CPU), the models split between "
+        "them where their count divides --num_models, else each batch; "
+        "mirrored, DataParallel over them; tpu, as auto after "
+        "keras.distribution.initialize() on every host of a pod slice; "
+        "cpu, one CPU device.")
     string("tpu", "The TPU: its name, a grpc://host:port address, or 'local' "
            "on a TPU VM.")
     string("zone", "The zone of a TPU given by name (Cloud TPU).")
