@@ -195,8 +195,14 @@ class FusedPerModel(FusedLayer):
 
     def _weights_assigned_in_training(self):
         """The indices of the layer's weights that its call in training
-        assigns, from a trace of the call (never run)."""
+        assigns, from a trace of the call (never run). A layer without
+        weights assigns none, and is not traced: some stock layers run in
+        training only on concrete values on JAX (`RandomElasticTransform`
+        sizes its blur kernel from a random draw; `MixUp`'s permutation
+        needs the batch size), as the stock layer does in a stock model."""
         layer = self.layer
+        if not layer.weights:
+            return []
         specs, arguments = self._specs
         found = []
 
