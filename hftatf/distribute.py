@@ -30,6 +30,38 @@ JAX_DISTRIBUTIONS = {"auto": "auto", "tpu": "auto", "mirrored": "data",
                      "cpu": "none"}
 
 
+def set_jax_distribution(name, num_models):
+    """Sets, and returns, the `keras.distribution` that the strategy `name`
+    stands for on JAX (`JAX_DISTRIBUTIONS`) for an array of `num_models`
+    models (see `hftatf.distribution.distribution_from_name`).
+
+    `"tpu"` first joins the hosts of a TPU pod slice
+    (`keras.distribution.initialize()`, run by every host).
+
+    Raises:
+        ValueError: for an unknown name, hosts that cannot be joined, or
+            devices that cannot hold the array that way.
+    """
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"Unknown strategy {name!r}; expected one of "
+            f"{', '.join(STRATEGIES)}.")
+    if name == "tpu":
+        try:
+            keras.distribution.initialize()
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(
+                "Strategy 'tpu' on JAX joins the hosts of a TPU VM or pod "
+                "slice (keras.distribution.initialize()), which failed "
+                f"here: {str(error).rstrip('.')}. Run it on a TPU VM, on "
+                "every host of the slice, or use strategy 'auto' on one "
+                "machine.") from error
+    distribution = distribution_from_name(JAX_DISTRIBUTIONS[name],
+                                          num_models)
+    keras.distribution.set_distribution(distribution)
+    return distribution
+
+
 def strategy_from_name(name="auto", tpu=None, zone=None, project=None,
                        num_models=1):
     """Returns the `tf.distribute.Strategy` called `name`.
@@ -65,8 +97,7 @@ def strategy_from_name(name="auto", tpu=None, zone=None, project=None,
             f"Unknown strategy {name!r}; expected one of "
             f"{', '.join(STRATEGIES)}.")
     if keras.backend.backend() == "jax":
-        keras.distribution.set_distribution(distribution_from_name(
-            JAX_DISTRIBUTIONS[name], num_models))
+        set_jax_distribution(name, num_models)
         return tensorflow(
             "The tf.data input of a launcher").distribute.get_strategy()
     tf = _tensorflow(name)

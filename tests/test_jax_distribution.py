@@ -44,3 +44,26 @@ def test_a_model_count_the_devices_cannot_split_is_refused():
     report = run("indivisible")
     assert "num_models=6" in report["error"]
     assert "4 devices" in report["error"]
+
+
+def test_strategy_tpu_off_a_tpu_says_how_to_run_it():
+    # JAX's hosts of a pod slice join before anything runs; on a machine
+    # that is no TPU VM that fails, and the error names the way out.
+    from hftatf import distribute
+
+    with pytest.raises(ValueError, match="use strategy 'auto' on one"):
+        distribute.set_jax_distribution("tpu", 2)
+
+
+def test_strategy_names_set_their_distributions():
+    import keras
+
+    from hftatf import distribute
+
+    try:
+        assert distribute.set_jax_distribution("cpu", 2) is None
+        assert keras.distribution.distribution() is None
+        with pytest.raises(ValueError, match="Unknown strategy 'gpu'"):
+            distribute.set_jax_distribution("gpu", 2)
+    finally:
+        keras.distribution.set_distribution(None)

@@ -22,11 +22,14 @@ values of the optimizer's float hyper-parameters, from one of:
 * nothing: 4 models, with the recipe's learning rate times 3, 1, 0.3 and 0.1.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import itertools
 import json
 import pathlib
+
+import keras
 
 from hftatf import optimizers
 from hftatf.models import recipes
@@ -514,8 +517,11 @@ def _hyperparameter_names(cls):
 
 def _scratch_graph():
     """A throwaway graph for the variables that checking an optimizer
-    creates: validation leaves no eager state behind (a TPU is connected to,
-    and its system initialised, after it)."""
+    creates on TensorFlow: validation leaves no eager state behind (a TPU
+    is connected to, and its system initialised, after it). Other
+    backends' variables hold no such state."""
+    if keras.backend.backend() != "tensorflow":
+        return contextlib.nullcontext()
     import tensorflow as tf
 
     return tf.Graph().as_default()

@@ -17,18 +17,29 @@ smallest host's shard, in whole global batches), or `--train_steps`. The
 training stream repeats, reshuffled every pass, so a resumed run reads on
 from where the interrupted one stopped (`initial_epoch`). Validation reads
 the same batches every epoch.
+
+That is the `tf.data` input, which imports TensorFlow when it is built.
+Where the backend is not TensorFlow (JAX), a recipe's own data come as
+NumPy batches instead, read by `data_numpy` with the same semantics;
+TFRecord and tensorflow-datasets sources still need TensorFlow there.
 """
 
 import contextlib
 import dataclasses
 import inspect
 
-import tensorflow as tf
-from absl import logging
-
+from hftatf.core import optional
+from hftatf.models import batches, recipes
 from hftatf.models import data as zoo_data
-from hftatf.models import recipes
 from hftatf.tpu.config import ConfigError
+from hftatf.tpu.epochs import (
+    Inputs,
+    check_one_step,
+    check_validation_steps,
+    log_resumption,
+    per_replica_batch_size,
+    whole_steps,
+)
 
 # Data recipes of the zoo that make images, and the one that makes point
 # clouds: TFRecord and tensorflow-datasets data are read the same way.
@@ -62,6 +73,26 @@ class Source:
         """`(train, validation)` batches of input pipeline `context`."""
         return self.make(batch_size, context)
 
+    @property
+    def tf_data(self):
+        """Whether the source gives `tf.data` datasets (read through
+        `tf.distribute`) rather than `keras.utils.PyDataset`s of NumPy
+        batches (a recipe's own data where the backend is not
+        TensorFlow, see `hftatf.models.batches.uses_tf_data`)."""
+        return self.kind != "recipe" or batches.uses_tf_data()
+
+
+def tensorflow(feature="The launcher's tf.data input"):
+    """TensorFlow, which `feature` needs."""
+    return optional.tensorflow(feature)
+
+
+def is_tpu_strategy(strategy):
+    """Whether `strategy` is a `tf.distribute.TPUStrategy` (there is none
+    where TensorFlow was not imported)."""
+    tf = optional.imported_tensorflow()
+    return tf is not None and isinstance(strategy, tf.distribute.TPUStrategy)
+
 
 def resolve(config, recipe):
     """The `Source` of `config.dataset` for the model `recipe`.
@@ -91,6 +122,7 @@ def resolve(config, recipe):
     if kind == "recipe":
         return recipe_source(recipes.get(name), config.seed,
                              config.data_args)
+    _check_tensorflow(config.dataset, _described(kind, name))
     if kind == "tfrecord":
         return _tfrecord_source(name, recipe, config)
     return _tfds_source(name, recipe, config)
@@ -115,6 +147,18 @@ def _kind(name, recipe, config):
         f"--dataset={name!r} is not a zoo recipe ({', '.join(recipes.names())}"
         "), not a TFRecord file name or glob, and there is no --data_dir to "
         "read it from as a tensorflow-datasets name. Pass one of those.")
+
+
+def _check_tensorflow(dataset, described):
+    """Raises a ConfigError, before anything is read, where TensorFlow,
+    which reads `described` (TFRecord or tensorflow-datasets files), is
+    not installed."""
+    try:
+        tensorflow(f"--dataset={dataset} ({described}, read with tf.data)")
+    except ImportError as error:
+        raise ConfigError(
+            f"{error} A zoo recipe's own data need no TensorFlow: leave "
+            "--dataset out, or pass a recipe name.") from None
 
 
 def _described(kind, name):
@@ -197,7 +241,7 @@ def _record_kind(recipe):
 
 
 def _glob(pattern, flag):
-    names = sorted(tf.io.gfile.glob(pattern))
+    names = sorted(tensorflow().io.gfile.glob(pattern))
     if not names:
         raise ConfigError(
             f"{flag}: no file matches {pattern!r}. Pass existing TFRecord "
@@ -286,25 +330,10 @@ def _tfds_source(name, recipe, config):
 # -- distribution -----------------------------------------------------------
 
 
-def per_replica_batch_size(global_batch_size, num_replicas):
-    """The global batch split evenly between `num_replicas`.
-
-    Raises:
-        ConfigError: where it does not split evenly.
-    """
-    if global_batch_size % num_replicas:
-        low = global_batch_size // num_replicas * num_replicas
-        raise ConfigError(
-            f"--batch_size={global_batch_size} (the global batch) must "
-            f"split evenly between the {num_replicas} replicas. Pass a "
-            f"multiple of {num_replicas}, e.g. {max(low, num_replicas)} or "
-            f"{low + num_replicas}.")
-    return global_batch_size // num_replicas
-
-
 def input_contexts(strategy):
     """The `tf.distribute.InputContext` of each input pipeline (host) of
     `strategy`, as `distribute_datasets_from_function` passes them."""
+    tf = tensorflow()
     contexts = []
 
     def probe(context):
@@ -321,6 +350,7 @@ def input_contexts(strategy):
 def count_batches(dataset):
     """The number of elements of one pass of `dataset` (read once where
     its cardinality is unknown)."""
+    tf = tensorflow()
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
         raise ConfigError(
@@ -332,36 +362,12 @@ def count_batches(dataset):
                               lambda count, _: count + 1))
 
 
-@dataclasses.dataclass
-class Inputs:
-    """A run's distributed inputs.
-
-    Attributes:
-        train: the training `DistributedDataset` (an endless stream).
-        validation: the validation `DistributedDataset`, or None; it
-            repeats: every `validation_steps` steps read the same
-            examples.
-        steps_per_epoch: training steps per epoch.
-        validation_steps: validation steps per epoch (0 without one).
-        per_replica_batch_size: examples per replica per step.
-        num_input_pipelines: the input pipelines (hosts).
-        element_spec: the `tf.TypeSpec`s of one replica's training batch.
-    """
-
-    train: object
-    validation: object
-    steps_per_epoch: int
-    validation_steps: int
-    per_replica_batch_size: int
-    num_input_pipelines: int
-    element_spec: object = None
-
-
 @contextlib.contextmanager
 def _reading(source):
     """Turns TensorFlow's errors on reading files that are not what the
     launcher reads (another format, other feature names) into a
     `ConfigError` that names them."""
+    tf = tensorflow()
     try:
         yield
     except tf.errors.OpError as error:
@@ -385,6 +391,7 @@ def _shapes_read(dataset):
     """`dataset`'s element spec, with the sizes of its first element where
     the spec leaves them unknown (images decoded without resizing), so
     that a model that cannot take them is refused before training."""
+    tf = tensorflow()
     spec = dataset.element_spec
     specs = tf.nest.flatten(spec)
     if all(not isinstance(s, tf.TensorSpec) or s.shape[1:].is_fully_defined()
@@ -422,6 +429,7 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
     Raises:
         ConfigError: where a training shard holds not one step.
     """
+    tf = tensorflow()
     replicas = strategy.num_replicas_in_sync
     batch = per_replica_batch_size(global_batch_size, replicas)
     contexts = input_contexts(strategy)
@@ -439,68 +447,35 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
     validation_description = (source.validation_description
                               or source.description)
 
-    def whole_steps(datasets, what):
-        """Whole steps (of `steps_per_execution`) in the smallest shard."""
-        smallest = min(count_batches(dataset) for dataset in datasets)
-        whole = smallest // local
-        whole -= whole % steps_per_execution
-        if whole == 0:
-            described = (source.description if what == "training"
-                         else validation_description)
-            message = (
-                f"The {what} set ({described}) has {smallest} "
-                f"batches of {batch} per input pipeline: not one step of "
-                f"{steps_per_execution} x {local} replica batches.")
-            if what == "training":
-                raise ConfigError(
-                    f"{message} Lower --batch_size or --steps_per_execution.")
-            logging.warning("%s No validation: lower --batch_size to "
-                            "validate.", message)
-        return whole
-
     def fewest_batches(datasets, needed):
         """The batches of the smallest of `datasets`, counted up to
         `needed` (reading that many at most, not a pass)."""
         return min(count_batches(dataset.take(needed))
                    for dataset in datasets)
 
-    def check_one_step(datasets):
-        """Raises unless every shard holds one step (the stream repeats
-        it)."""
-        smallest = fewest_batches(datasets, local)
-        if smallest < local:
-            raise ConfigError(
-                f"The training set ({source.description}) has {smallest} "
-                f"batches of {batch} per input pipeline: not one step of "
-                f"{local} replica batches. Lower --batch_size.")
-
-    def check_validation_steps(datasets):
-        """Raises unless every validation shard holds `eval_steps` steps:
-        Keras would stop validating where it runs out, silently."""
-        smallest = fewest_batches(datasets, eval_steps * local)
-        if smallest < eval_steps * local:
-            raise ConfigError(
-                f"--eval_steps={eval_steps}, but the validation set "
-                f"({validation_description}) has {smallest // local} steps of "
-                f"{local} x {batch} examples per input pipeline. Lower "
-                "--eval_steps, or leave it out to validate on one pass.")
-
     with _reading(source):
         passes = [one_pass(context) for context in contexts]
+        trains = [train for train, _ in passes]
+        validations = [validation for _, validation in passes]
         if train_steps:
-            check_one_step([train for train, _ in passes])
+            check_one_step(fewest_batches(trains, local), local, batch,
+                           source.description)
         steps_per_epoch = train_steps or whole_steps(
-            [train for train, _ in passes], "training")
-        if passes[0][1] is None or eval_steps == 0:
+            min(map(count_batches, trains)), local, batch, steps_per_execution,
+            "training", source.description)
+        if validations[0] is None or eval_steps == 0:
             validation_steps = 0
         elif eval_steps:
-            check_validation_steps([validation for _, validation in passes])
+            check_validation_steps(
+                fewest_batches(validations, eval_steps * local), eval_steps,
+                local, batch, validation_description)
             validation_steps = eval_steps
         else:
             validation_steps = whole_steps(
-                [validation for _, validation in passes], "validation")
-        element_spec = _shapes_read(passes[0][0])
-    del passes
+                min(map(count_batches, validations)), local, batch,
+                steps_per_execution, "validation", validation_description)
+        element_spec = _shapes_read(trains[0])
+    del passes, trains, validations
     skip = initial_epoch * steps_per_epoch * local
 
     def stream(context):
@@ -543,9 +518,7 @@ def distributed_inputs(strategy, source, global_batch_size, train_steps=None,
     if validation_steps:
         validation = strategy.distribute_datasets_from_function(
             validation_fn)
-    if skip:
-        logging.info("Resuming at epoch %d: the input stream skips %d "
-                     "batches per input pipeline.", initial_epoch, skip)
+    log_resumption(initial_epoch, skip)
     return Inputs(train=train, validation=validation,
                   steps_per_epoch=steps_per_epoch,
                   validation_steps=validation_steps,

@@ -3,9 +3,9 @@ trains (the model, B, what varies per model), on what data, where (the
 devices, the Keras backend, XLA on or off) and how long (epochs, steps)."""
 
 import keras
-import tensorflow as tf
 
 from hftatf import report
+from hftatf.tpu.data import is_tpu_strategy
 
 
 def header_lines(plan, array):
@@ -17,8 +17,7 @@ def header_lines(plan, array):
         steps += f" (+{plan.inputs.validation_steps} validation)"
     varying = "; ".join(f"{name} {_listed(values)}"
                         for name, values in plan.per_model.items())
-    compiled = isinstance(strategy, tf.distribute.TPUStrategy) or (
-        array.compiles_with_xla)
+    compiled = is_tpu_strategy(strategy) or array.compiles_with_xla
     return [
         f"hftatf-train: {plan.num_models} {config.model} models; data: "
         f"{plan.source.description}; {config.epochs} epochs of {steps}, "
@@ -51,6 +50,8 @@ def _placement(strategy):
         kinds = [str(d).split(":")[0].upper() for d in devices]
         how = type(distribution).__name__ if distribution else "one device"
         return f"{_counted(kinds)} ({how})"
+    import tensorflow as tf
+
     kinds = [tf.DeviceSpec.from_string(device).device_type or "CPU"
              for device in strategy.extended.worker_devices]
     return f"{_counted(kinds)} ({type(strategy).__name__})"

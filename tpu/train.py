@@ -21,14 +21,13 @@ import shutil
 import sys
 
 import keras
-import tensorflow as tf
 from absl import app, flags, logging
 
 import hftatf
 from hftatf import backup, distribute, report
 from hftatf import callbacks as fused_callbacks
-from hftatf.models import batches
-from hftatf.tpu import data, page, plots, results
+from hftatf.core import optional
+from hftatf.tpu import data, data_numpy, page, plots, results
 from hftatf.tpu.backend import BACKENDS, check_backend, relaunch_for_backend
 from hftatf.tpu.builders import (  # noqa: F401
     build_model,
@@ -100,10 +99,12 @@ def define_flags(flag_values=FLAGS):
         "On tensorflow: tpu, a TPUStrategy on --tpu; mirrored, every local "
         "GPU (or the CPU); cpu, one CPU device; auto, a TPU where there is "
         "one, else the GPUs, else the CPU. On jax: keras.distribution "
-        "instead of tf.distribute: mirrored and auto, DataParallel over "
-        "every device JAX sees (a TPU VM's chips, the GPUs, else the CPU); "
-        "tpu, the same after keras.distribution.initialize() on every host "
-        "of a pod slice; cpu, one CPU device.")
+        "instead of tf.distribute: auto, over every device JAX sees (a TPU "
+        "VM's chips, the GPUs, else the CPU), the models split between "
+        "them where their count divides --num_models, else each batch; "
+        "mirrored, DataParallel over them; tpu, as auto after "
+        "keras.distribution.initialize() on every host of a pod slice; "
+        "cpu, one CPU device.")
     string("tpu", "The TPU: its name, a grpc://host:port address, or 'local' "
            "on a TPU VM.")
     string("zone", "The zone of a TPU given by name (Cloud TPU).")
@@ -291,7 +292,7 @@ class _Plan:
     source: object
     model_dir: pathlib.Path
     initial_epoch: int
-    strategy: tf.distribute.Strategy
+    strategy: object
     inputs: object
     stock: keras.Model
 
@@ -323,19 +324,22 @@ def _prepare(config):
     source = data.resolve(config, recipe)
     model_dir = pathlib.Path(config.model_dir)
     initial_epoch = backed_up_epoch(model_dir / BACKUP_DIR, num_models)
-    if config.deterministic:
+    if config.deterministic and source.tf_data:
+        # TensorFlow runs the input (and, on its backend, the array); the
+        # NumPy input is deterministic as it is.
+        tf = data.tensorflow("--deterministic")
         tf.config.experimental.enable_op_determinism()
-    strategy = make_strategy(config, num_models)
+    strategy = make_strategy(config, num_models, tf_data=source.tf_data)
     data.per_replica_batch_size(config.batch_size,
                                 strategy.num_replicas_in_sync)
     keras.utils.set_random_seed(config.seed)
     # A training set of less than one step is a ConfigError here.
-    inputs = data.distributed_inputs(
+    inputs = (data if source.tf_data else data_numpy).distributed_inputs(
         strategy, source, config.batch_size,
         train_steps=config.train_steps, eval_steps=config.eval_steps,
         steps_per_execution=config.steps_per_execution,
         initial_epoch=initial_epoch,
-        static_shapes=isinstance(strategy, tf.distribute.TPUStrategy))
+        static_shapes=data.is_tpu_strategy(strategy))
     with _global_policy(config.mixed_precision):
         # A builder that refuses its arguments, or a model that does not
         # take the data's examples.
@@ -385,14 +389,23 @@ def _fit(plan, callbacks):
                 fused_callbacks.CSVLogger(
                     plan.history_path, append=True,
                     hyperparameters=plan.hyperparameters),
-                fused_callbacks.TensorBoard(
-                    model_dir / LOG_DIR,
-                    hyperparameters=plan.hyperparameters),
+                *_tensorboard(plan),
                 backup.BackupAndRestore(model_dir / BACKUP_DIR),
                 *_table_logger(plan),
                 *callbacks,
             ])
     return array, header
+
+
+def _tensorboard(plan):
+    """Each model's TensorBoard run, as a list: none where TensorFlow, which
+    writes them, is not installed."""
+    if not optional.tensorflow_installed():
+        logging.warning("No TensorBoard logs: TensorFlow writes them, and "
+                        "it is not installed (pip install tensorflow).")
+        return []
+    return [fused_callbacks.TensorBoard(
+        plan.model_dir / LOG_DIR, hyperparameters=plan.hyperparameters)]
 
 
 def _table_logger(plan):
@@ -451,11 +464,16 @@ def _global_policy(name):
         keras.mixed_precision.set_global_policy(policy)
 
 
-def make_strategy(config, num_models=1):
+def make_strategy(config, num_models=1, tf_data=True):
     """The `tf.distribute.Strategy` of `config` (TPU connected and
     initialised; on JAX, the `keras.distribution` of an array of
-    `num_models` set); a missing TPU is a ConfigError, not a hang."""
+    `num_models` set), or for input that is not `tf.data` (`tf_data`
+    False: NumPy batches, on JAX) that distribution's
+    `data_numpy.Placement`; a missing TPU is a ConfigError, not a
+    hang."""
     try:
+        if not tf_data:
+            return data_numpy.placement(config.strategy, num_models)
         return distribute.strategy_from_name(
             config.strategy, tpu=config.tpu, zone=config.zone,
             project=config.project, num_models=num_models)
@@ -542,8 +560,7 @@ def main(argv):
             "--flag; see --helpfull).")
     # TensorFlow's notes (SavedModel assets, ...) would drown the run's.
     logging.set_verbosity(logging.WARNING)
-    with batches.tf_data_input():
-        run = train(config_from_flags())
+    run = train(config_from_flags())
     print(report.format_table(
         run.results, run.hyperparameters,
         best=None if run.best is None else run.best["model"]))

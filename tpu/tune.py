@@ -33,13 +33,13 @@ import sys
 
 import keras
 import keras_tuner
-import tensorflow as tf
 from absl import app, flags
 
 import hftatf
 from hftatf import report, tuning
+from hftatf.core import optional
 from hftatf.models import recipes
-from hftatf.tpu import data
+from hftatf.tpu import data, data_numpy
 from hftatf.tpu.config import ConfigError, check_directory, parse_mapping
 from hftatf.tuning import distributed, space
 
@@ -381,9 +381,17 @@ def search(settings, flag_values):
         # The training launcher's inputs: every array's fit reads the
         # training stream from its start and validates on the same batches
         # every epoch. Checked before the tuner (re)writes its project.
-        inputs = data.distributed_inputs(
-            tf.distribute.get_strategy(), settings["source"],
-            flag_values.batch_size, train_steps=flag_values.train_steps,
+        source = settings["source"]
+        if source.tf_data:
+            pipeline = data
+            strategy = data.tensorflow().distribute.get_strategy()
+        else:
+            # NumPy batches (on JAX), under the keras.distribution set.
+            pipeline = data_numpy
+            strategy = data_numpy.Placement(keras.distribution.distribution())
+        inputs = pipeline.distributed_inputs(
+            strategy, source, flag_values.batch_size,
+            train_steps=flag_values.train_steps,
             eval_steps=flag_values.eval_steps)
     except ConfigError as error:
         raise FlagError(str(error)) from None
@@ -494,7 +502,8 @@ def _local_cluster(argv, settings, flag_values):
         a for a in argv[1:] if not a.startswith(
             ("--local_workers", "--overwrite", "--nooverwrite"))] + [
         "--nooverwrite"]
-    gpus = len(tf.config.list_physical_devices("GPU"))
+    gpus = sum("gpu" in device.lower()
+               for device in keras.distribution.list_devices())
 
     def worker_env(index):
         return {"CUDA_VISIBLE_DEVICES": str(index % gpus)} if gpus else {}
@@ -511,7 +520,9 @@ def main(argv, flag_values=FLAGS):
         raise FlagError(
             f"Unexpected arguments: {' '.join(argv[1:])} (every option is a "
             "--flag; see --helpfull).")
-    tf.get_logger().setLevel("WARNING")
+    tf = optional.imported_tensorflow()
+    if tf is not None:
+        tf.get_logger().setLevel("WARNING")
     settings = _settings(flag_values)
     os.environ.update(distributed_environment(flag_values))
     if flag_values.local_workers > 0:

@@ -20,10 +20,9 @@ COLUMNS_START = ("model", "mode", "num_models", "batch_size")
                       "a run under the TensorFlow suite would repeat it")
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_dry_run_writes_csv_markdown_and_plots(tmp_path):
-    # Stock models only: an array's fit on JAX needs the JAX trainer; the
-    # full run adds the fused rows in the same formats.
+    # Both modes of the full run (its default), at the dry run's sizes.
     environment = {**os.environ, "OUT_DIR": str(tmp_path),
-                   "MODES": "serial"}
+                   "MODES": "serial,fused"}
     done = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=ROOT,
                           env=environment, capture_output=True, text=True,
                           timeout=900)
@@ -34,10 +33,12 @@ def test_dry_run_writes_csv_markdown_and_plots(tmp_path):
         rows = list(csv.DictReader(file))
     assert tuple(rows[0])[:4] == COLUMNS_START
     assert [(r["model"], r["mode"], r["num_models"]) for r in rows] == [
-        ("mlp", "serial", "1"), ("mlp", "serial", "2")]
+        ("mlp", mode, size) for size in "12" for mode in ("serial", "fused")]
     assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    assert all(float(r["speedup"]) > 0 for r in rows if r["mode"] == "fused")
     markdown = (tmp_path / "results.md").read_text().splitlines()
-    assert markdown[0].startswith("| model | B | serial samples/s")
+    assert markdown[0].startswith(
+        "| model | B | serial samples/s | fused samples/s | fused speedup")
     assert [line.split(" | ")[:2] for line in markdown[2:]] == [
         ["| mlp", "1"], ["| mlp", "2"]]
     try:

@@ -4,13 +4,14 @@
         [--strategies=mirrored,cpu] [--kill_at=EPOCH:BATCH]
         [--weights_out=PATH.npz]
 
-REPLICAS logical CPU devices are configured before TensorFlow starts (as a
-MirroredStrategy over CPUs needs). The config of the launcher flags is run
-once per strategy of `--strategies` (in `model_dir/<strategy>` when there
-are several), and a JSON summary of each run (or of its error) is written
-to SUMMARY. `--kill_at` kills the process with SIGKILL after that batch of
-that epoch; `--weights_out` saves the array's weights and optimizer state
-after the last run.
+REPLICAS CPU devices are configured before the backend starts: logical
+devices of TensorFlow (as a MirroredStrategy over CPUs needs), or XLA host
+devices of JAX (`KERAS_BACKEND=jax`; DataParallel over them). The config
+of the launcher flags is run once per strategy of `--strategies` (in
+`model_dir/<strategy>` when there are several), and a JSON summary of each
+run (or of its error) is written to SUMMARY. `--kill_at` kills the process
+with SIGKILL after that batch of that epoch; `--weights_out` saves the
+array's weights and optimizer state after the last run.
 """
 
 import dataclasses
@@ -19,13 +20,18 @@ import os
 import signal
 import sys
 
-import tensorflow as tf
-
 REPLICAS = int(sys.argv.pop(1))
 SUMMARY = sys.argv.pop(1)
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(
-    cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
+if os.environ.get("KERAS_BACKEND") == "jax":
+    os.environ["XLA_FLAGS"] = " ".join([
+        os.environ.get("XLA_FLAGS", ""),
+        f"--xla_force_host_platform_device_count={REPLICAS}"])
+else:
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

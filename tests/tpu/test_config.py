@@ -291,6 +291,9 @@ def test_invalid_config_file_values(tmp_path):
             train.config_from_flags()
 
 
+@pytest.mark.backends("tensorflow", reason="a TPUStrategy and its TPU "
+                      "look-up are TensorFlow's; on JAX --strategy=tpu is "
+                      "the keras.distribution of the devices JAX sees")
 def test_tpu_strategy_without_a_tpu_fails_fast(tmp_path, monkeypatch):
     monkeypatch.delenv("TPU_NAME", raising=False)
     model_dir = tmp_path / "run"
@@ -319,7 +322,7 @@ def test_global_batch_must_split_between_replicas(tmp_path, monkeypatch):
     class FourReplicas:
         num_replicas_in_sync = 4
 
-    def make_strategy(config, num_models=1):
+    def make_strategy(config, num_models=1, tf_data=True):
         strategies.append(config.strategy)
         return FourReplicas()
 

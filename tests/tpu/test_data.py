@@ -1,5 +1,7 @@
-"""The launcher's input pipelines: sources, per-host shards, per-replica
-batches, whole epochs, and the stream a resumed run reads on from."""
+"""The launcher's tf.data input: sources, per-host shards, per-replica
+batches, whole epochs, and the stream a resumed run reads on from. (It
+reads TFRecord files on any backend; on JAX a recipe's own data go
+through NumPy instead: test_train_jax.py.)"""
 
 import collections
 import sys
@@ -7,15 +9,25 @@ import types
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
+from hftatf.models import batches as zoo_batches
 from hftatf.models import data as zoo_data
 from hftatf.models import recipes
 from hftatf.tpu import data
 from hftatf.tpu.config import Config, ConfigError
 
+tf = pytest.importorskip("tensorflow")
+
 # scikit-learn's digits, split as the mlp recipe splits them.
 TRAIN_SIZE, VALIDATION_SIZE = 1438, 359
+
+
+@pytest.fixture(autouse=True)
+def _tf_data_recipes():
+    """The recipes' data as tf.data datasets on every backend, as the
+    tf.data input reads them."""
+    with zoo_batches.tf_data_input():
+        yield
 
 
 def source(**values):

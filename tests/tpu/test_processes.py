@@ -1,17 +1,20 @@
 """The launcher in fresh processes: MirroredStrategy over logical CPUs (set
-up before TensorFlow starts), a run killed with SIGKILL and rerun, and the
-command line itself."""
+up before TensorFlow starts; on JAX, DataParallel over XLA host devices), a
+run killed with SIGKILL and rerun, and the command line itself."""
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 
 HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 TIMEOUT_S = 600
 
 pytestmark = pytest.mark.slow
@@ -21,9 +24,14 @@ TINY_RUN = ["--model=mlp", "--model_args=hidden_units=[16]", "--export_dir=",
 
 
 def launch(replicas, summary, *flags):
+    """Runs launcher_process.py on this checkout's hftatf and this test
+    process's Keras backend."""
+    env = {**os.environ, "KERAS_BACKEND": keras.backend.backend(),
+           "PYTHONPATH": os.pathsep.join(
+               [str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(
         [sys.executable, str(HERE / "launcher_process.py"), str(replicas),
-         str(summary), *flags],
+         str(summary), *flags], env=env, cwd=ROOT,
         capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
