@@ -325,7 +325,11 @@ class JAXTrainer:
         mapping = (list(zip(self.trainable_variables, trainable))
                    + list(zip(self.non_trainable_variables, non_trainable))
                    + list(zip(self.metrics_variables, metrics_values)))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        # Collecting the losses the forward pass adds (activity
+        # regularizers, `add_loss`), which `self.losses` reads, as Keras's
+        # `test_step` does: outside a collecting scope they are dropped.
+        with keras.StatelessScope(state_mapping=mapping,
+                                  collect_losses=True) as scope:
             y_pred = self(x, training=False)
             losses = self.compute_model_losses(
                 x, y, y_pred, sample_weight, training=False)
