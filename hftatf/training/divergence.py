@@ -344,10 +344,16 @@ class Divergence:
         """Gives the models where the `[B]` booleans `models` hold their
         slices of `values` back in `variables` (the backend trainer may
         skip the work on steps that restore none)."""
-        for variable, value in zip(variables, values):
-            variable.assign(ops.where(
-                to_model_rank(models, len(variable.shape)), value,
-                variable.value))
+        for variable, value in zip(variables, self._restored_values(
+                variables, values, models)):
+            variable.assign(value)
+
+    def _restored_values(self, variables, values, models):
+        """The values of `variables` with the slices of the models where
+        the `[B]` booleans `models` hold taken from `values`."""
+        return [ops.where(to_model_rank(models, len(variable.shape)), value,
+                          variable.value)
+                for variable, value in zip(variables, values)]
 
     def check_batch(self, where, found=None):
         """Raises if the last training batch was refused (what

@@ -30,7 +30,7 @@ from keras import ops
 
 from hftatf import passes
 from hftatf.core import compat
-from hftatf.core.axis import concat_models, take_models, to_model_rank
+from hftatf.core.axis import concat_models, take_models
 from hftatf.core.compat import get_keras_mask
 from hftatf.distribution import check_distribution
 
@@ -255,14 +255,10 @@ class JAXTrainer:
         """`Divergence._restore_models`, computed only on steps that
         restore a model (the branches of `ops.cond` give values: on JAX a
         branch may not assign variables)."""
-        current = [variable.value for variable in variables]
-
-        def restored():
-            return [ops.where(to_model_rank(models, len(value.shape)), value,
-                              now) for value, now in zip(values, current)]
-
         for variable, value in zip(variables, ops.cond(
-                ops.any(models), restored, lambda: current)):
+                ops.any(models),
+                lambda: self._restored_values(variables, values, models),
+                lambda: [v.value for v in variables])):
             variable.assign(value)
 
     def _uses_replica_jit(self, jit_compile, run_eagerly):
