@@ -47,7 +47,7 @@ def _current(scope, variables, values):
 
 # A copy of an array that the next step, which takes its state over, does
 # not delete: compiled, as an eager copy costs several times more.
-_copy = jax.jit(jax.numpy.copy)
+_copy = jax.jit(lambda values: [jax.numpy.copy(v) for v in values])
 
 
 def _without_attributes(y_pred):
@@ -237,10 +237,11 @@ class JAXTrainer:
                 return values[positions[id(variable)]]
         return variable.value
 
-    def _kept_training_value(self, variable):
-        """`_training_value(variable)`, kept from the next step, which
-        takes the state over: copied without waiting for the step."""
-        return _copy(self._training_value(variable))
+    def _kept_training_values(self, variables):
+        """`_training_value` of each of `variables`, kept from the next
+        step, which takes the state over: copied in one program, without
+        waiting for the step."""
+        return _copy([self._training_value(v) for v in variables])
 
     def __setattr__(self, name, value):
         if name == "_jax_state":

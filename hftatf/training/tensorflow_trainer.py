@@ -144,9 +144,10 @@ class TensorFlowTrainer:
         may be in the step's state)."""
         return variable.value
 
-    def _kept_training_value(self, variable):
-        """`_training_value(variable)`, kept from the steps that follow."""
-        return ops.copy(variable.value)
+    def _kept_training_values(self, variables):
+        """`_training_value` of each of `variables`, kept from the steps
+        that follow."""
+        return [ops.copy(variable.value) for variable in variables]
 
     def _distributed(self):
         """Whether the array trains under a `tf.distribute` strategy."""
