@@ -24,20 +24,14 @@ import pytest  # noqa: E402
 BACKEND = keras.backend.backend()
 # On JAX most of the suite's time is XLA compiling the tests' steps, which
 # then run a few times each: the test processes share one compilation
-# cache (a program one test worker compiled, the others read), and
-# compile without LLVM's optimisations. Stock Keras and the array are
-# compiled alike: the oracle runs as the array does.
+# cache, so that a program one test worker compiled, the others read (the
+# same program: a cache hit changes no result).
 _OWN_JAX_CACHE = "HFTATF_TESTS_OWN_JAX_CACHE"
 if BACKEND == "jax":
     import tempfile
 
     import jax
 
-    if "--xla_backend_optimization_level" not in os.environ.get(
-            "XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = " ".join(filter(None, [
-            os.environ.get("XLA_FLAGS"),
-            "--xla_backend_optimization_level=0"]))
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
             prefix="hftatf-tests-jax-")
