@@ -13,7 +13,7 @@ import numpy as np
 from hftatf.core import hooks
 from hftatf.core.compat import compile_config
 from hftatf.core.devices import runs_on_accelerator
-from hftatf.core.validation import check_num_models
+from hftatf.core.validation import check_backend, check_num_models
 from hftatf.graph import (
     architecture_difference,
     check_graph_model,
@@ -77,6 +77,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
     Returns:
         A `FusedModel` whose outputs are `[batch, B, ...]`.
     """
+    check_backend()
     num_models = check_num_models(num_models)
     if layout not in LAYOUTS:
         raise ValueError(

@@ -20,7 +20,7 @@ from hftatf.core.compat import (
     no_automatic_dependency_tracking,
 )
 from hftatf.core.logs import check_stock_callbacks
-from hftatf.core.validation import check_num_models
+from hftatf.core.validation import check_backend, check_num_models
 from hftatf.layers import convolutional, layer_state, per_model
 from hftatf.training import divergence, losses, routing, surgery
 from hftatf.training.divergence import ModelStatus
@@ -80,6 +80,7 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
     def __init__(self, inputs, outputs, num_models, shared_inputs=True,
                  source=None, **kwargs):
         super().__init__(inputs=inputs, outputs=outputs, **kwargs)
+        check_backend()
         self.num_models = check_num_models(num_models)
         if isinstance(shared_inputs, bool):
             shared_inputs = [shared_inputs] * len(self.inputs)
@@ -217,6 +218,7 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
                 (benchmarks/README.md). Evaluation and prediction always
                 run in one pass.
         """
+        check_backend()
         models_per_pass = passes.check_models_per_pass(
             models_per_pass, self.num_models)
         losses.check_reduced(loss)
@@ -310,6 +312,7 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
     def fit(self, *args, class_weight=None, **kwargs):
         """As `keras.Model.fit`. `class_weight` weighs each model's samples
         by the class of that model's own label (shared or per model)."""
+        check_backend()
         if class_weight is not None and kwargs.get("sample_weight") is not None:
             raise ValueError(
                 "`class_weight` and `sample_weight` cannot both be given, as "

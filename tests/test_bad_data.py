@@ -10,6 +10,7 @@ import pytest
 from testing import BACKEND
 
 import hftatf
+from hftatf.training import divergence
 
 BATCH = 8
 
@@ -212,10 +213,13 @@ def test_one_model_diverging_alone_still_trains_the_others():
     assert list(array.diverged_models) == [False, True, False]
 
 
-def test_no_model_trains_past_a_refused_batch():
-    # On JAX (no progress bar: batch ends run beside the next steps) the
-    # refused batch is checked once later steps are under way; they must
-    # not train any model either.
+@pytest.mark.parametrize("seconds", [0.0, 1e9], ids=["every", "epoch"])
+def test_no_model_trains_past_a_refused_batch(monkeypatch, seconds):
+    # The refused batch is checked once later steps are under way (at the
+    # epoch's end where checks are rare; on JAX, where batch ends run
+    # beside the next steps, always): they must not train any model
+    # either, and the count of refused steps names the batch.
+    monkeypatch.setattr(divergence, "_CHECK_SECONDS", seconds)
     x, y = inputs(48), class_ids((48,))
     x[10, 2] = np.nan  # the second of six batches
     array = array_of(classifier, 3, "sparse_categorical_crossentropy")

@@ -1,6 +1,7 @@
 """The launchers start quietly: TensorFlow's start-up notes are left out
 in a launcher's process, unless its user asks for them."""
 
+import importlib.util
 import os
 import pathlib
 import subprocess
@@ -153,3 +154,41 @@ def test_tensorflow_features_on_jax_without_it_say_what_to_install(
     for error, feature in zip(errors, ("TensorBoard", "SavedModel")):
         assert error.startswith("ImportError") and feature in error, error
         assert "pip install tensorflow" in error, error
+
+
+SWITCH = """
+import keras
+import hftatf
+array = hftatf.fuse(keras.Sequential([keras.Input((3,)),
+                                      keras.layers.Dense(2)]), 2)
+keras.config.set_backend({other!r})
+import keras
+for name, step in [
+        ("compile", lambda: array.compile("sgd", loss="mse")),
+        ("fuse", lambda: hftatf.fuse(keras.Sequential([
+            keras.Input((3,)), keras.layers.Dense(2)]), 2))]:
+    try:
+        step()
+        print(name, "ran")
+    except ValueError as error:
+        print(name, "refused:", error)
+"""
+
+
+def test_a_backend_switched_after_import_is_refused():
+    # `keras.config.set_backend` reloads Keras; arrays made for the backend
+    # hftatf was imported on must not train on the other one.
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    other = "jax" if backend == "tensorflow" else "tensorflow"
+    if importlib.util.find_spec(other) is None:
+        pytest.skip(f"{other} is not installed")
+    result = subprocess.run(
+        [sys.executable, "-c", SWITCH.format(other=other)],
+        env={**os.environ, "KERAS_BACKEND": backend}, capture_output=True,
+        text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()[-2:]
+    for name, line in zip(["compile", "fuse"], lines):
+        assert line.startswith(f"{name} refused:"), result.stdout
+        assert f"imported on Keras's {backend!r} backend" in line
+        assert "in a new process" in line

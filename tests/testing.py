@@ -132,8 +132,8 @@ def value_and_gradients(function, tensors, variables=(), state=()):
     Keras variable in `variables`, on the backend the suite runs on (a
     `tf.GradientTape` on TensorFlow, `jax.grad` over the variables' values
     in a `keras.StatelessScope` on JAX, after which the values `function`
-    assigned to the variables in `state` are assigned to them). Unconnected
-    gradients are zeros.
+    assigned to the variables in `state` and `variables` are assigned to
+    them). Unconnected gradients are zeros.
 
     Returns `(outputs, tensor_gradients, variable_gradients)`; gradients of
     embedding tables are dense.
@@ -151,13 +151,15 @@ def value_and_gradients(function, tensors, variables=(), state=()):
             with keras.StatelessScope(state_mapping=mapping) as scope:
                 outputs, scalar = function(*tensors)
             return scalar, (outputs, [scope.get_current_value(v)
-                                      for v in state])
+                                      for v in state + variables])
 
         (_, (outputs, updated)), (dx, dw) = jax.value_and_grad(
             scalar_of, argnums=(0, 1), has_aux=True)(
                 [keras.ops.convert_to_tensor(t) for t in tensors],
                 [v.value for v in variables])
-        for variable, value in zip(state, updated):
+        # What the call assigned, trained variables too (a spectral
+        # normalization's kernel), as TensorFlow's eager call leaves it.
+        for variable, value in zip(state + variables, updated):
             variable.assign(value)
         return outputs, [np.asarray(g) for g in dx], [
             np.asarray(g) for g in dw]

@@ -2,7 +2,30 @@
 
 import math
 import numbers
+import sys
 import typing
+
+import keras
+
+# The Keras backend hftatf was imported on: its trainer and its layers'
+# backend code were chosen for it.
+IMPORTED_BACKEND = keras.backend.backend()
+
+
+def check_backend():
+    """Raises where Keras now runs on another backend than the one hftatf
+    was imported on (`keras.config.set_backend` after `import hftatf`)."""
+    current = sys.modules.get("keras")
+    now = (current.backend.backend() if current is not None
+           and hasattr(current, "backend") else IMPORTED_BACKEND)
+    if now != IMPORTED_BACKEND:
+        raise ValueError(
+            f"hftatf was imported on Keras's {IMPORTED_BACKEND!r} backend, "
+            f"and Keras now runs on {now!r} (`keras.config.set_backend` "
+            "after `import hftatf`): arrays and their training steps are "
+            "made for the backend hftatf was imported on. Pick the backend "
+            "before anything imports Keras (KERAS_BACKEND, or "
+            "~/.keras/keras.json), in a new process.")
 
 
 def check_num_models(num_models):

@@ -195,8 +195,14 @@ class FusedPerModel(FusedLayer):
 
     def _weights_assigned_in_training(self):
         """The indices of the layer's weights that its call in training
-        assigns, from a trace of the call (never run)."""
+        assigns, from a trace of the call (never run). A layer without
+        weights assigns none, and is not traced: some stock layers run in
+        training only on concrete values on JAX (`RandomElasticTransform`
+        sizes its blur kernel from a random draw; `MixUp`'s permutation
+        needs the batch size), as the stock layer does in a stock model."""
         layer = self.layer
+        if not layer.weights:
+            return []
         specs, arguments = self._specs
         found = []
 
@@ -531,10 +537,10 @@ class _ModelScope(keras.StatelessScope):
     the model's values, and what it assigns stays in the scope.
 
     A trainable weight the call assigns (a spectral normalization's kernel)
-    is differentiated as Keras differentiates a variable: reads after the
-    assignment return the new value, and the gradient of the loss with
-    respect to them is the weight's, not the gradient through the
-    computation of the new value (which Keras never takes)."""
+    is differentiated as stock Keras on the backend differentiates it:
+    reads after the assignment return the new value, and their gradient is
+    the weight's on TensorFlow, the gradient through the computation of
+    the new value on JAX (`backends.read_after_assignment`)."""
 
     def __init__(self, mapping, trainable):
         super().__init__(state_mapping=mapping, collect_losses=True)
@@ -547,6 +553,6 @@ class _ModelScope(keras.StatelessScope):
             self.assigned.append(variable)
         if id(variable) in self._trainable:
             read = self.state_mapping[id(variable)]
-            value = ops.stop_gradient(ops.cast(value, read.dtype)) + (
-                read - ops.stop_gradient(read))
+            value = backends.read_after_assignment(
+                ops.cast(value, read.dtype), read)
         super().add_update((variable, value))

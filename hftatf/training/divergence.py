@@ -7,6 +7,7 @@ state and moving statistics; the others train on, untouched by it.
 
 import logging
 import threading
+import time
 
 import keras
 import numpy as np
@@ -85,8 +86,10 @@ class BatchProblems(keras.metrics.Metric):
     and `fit` raises on it (`DivergenceReport`).
 
     While `holding` (inside `fit`), a refused batch also refuses every
-    later one until it is reported: `fit` may check a batch after the
-    next steps were dispatched, and they must not train on past it."""
+    later one until it is reported: `fit` checks batches after later steps
+    were dispatched, and they must not train on past it. `refused` counts
+    the refused steps, which names the first of them: the last step
+    checked, less `refused`, plus one."""
 
     def __init__(self, name="batch_problems", **kwargs):
         super().__init__(name=name, **kwargs)
@@ -95,10 +98,15 @@ class BatchProblems(keras.metrics.Metric):
             aggregation="only_first_replica")
         self.holding = self.add_variable(
             (), "zeros", name="holding", aggregation="only_first_replica")
+        self.refused = self.add_variable(
+            (), "zeros", name="refused", aggregation="only_first_replica")
 
-    def update_state(self, found):
+    def update_state(self, found, refused):
+        """Records the `[len(_PROBLEMS)]` booleans `found` of a step, and
+        whether it was `refused` (for them, or held)."""
         self.found.assign(ops.maximum(self.found,
                                       ops.cast(found, self.dtype)))
+        self.refused.assign(self.refused + ops.cast(refused, self.dtype))
 
     def held(self):
         """A scalar boolean: whether batches are refused because an
@@ -113,6 +121,7 @@ class BatchProblems(keras.metrics.Metric):
     def reset_state(self):
         self.found.assign(ops.zeros(self.found.shape, self.found.dtype))
         self.holding.assign(0.0)
+        self.refused.assign(0.0)
 
     def result(self):
         return self.found
@@ -136,18 +145,26 @@ def _non_finite(structure):
     return found
 
 
+# How often, at most, `fit` reads whether a batch was refused (seconds): a
+# read waits for the step and costs tens of microseconds, as much as a
+# small array's step; the steps run between two reads train no model past
+# a refused batch (`BatchProblems.hold`).
+_CHECK_SECONDS = 0.05
+
+
 class DivergenceReport(keras.callbacks.Callback):
     """Logs each model of the array that diverged, once; raises on a
     batch that no model could train on (`Divergence.check_batch`).
 
-    Each batch is checked when it ends, except where Keras runs the ends
-    of batches in worker threads beside the next steps (a thread-safe
-    backend, JAX, and only async-safe callbacks): reading the array's
-    state there would wait for each step, and race the next step, which
-    takes the state over. There the flags of a step are copied when the
-    next one begins and read once computed, while later steps run; those
-    steps train no model past a refused batch (`BatchProblems.hold`), and
-    the epoch's end checks the rest."""
+    Batches are checked as they end, at most every `_CHECK_SECONDS`, and
+    at the end of each epoch: the steps in between train no model past a
+    refused batch (`BatchProblems.hold`), and the count of refused steps
+    names it. Where Keras runs the ends of batches in worker threads beside
+    the next steps (a thread-safe backend, JAX, and only async-safe
+    callbacks), reading the array's state there would wait for each step,
+    and race the next step, which takes the state over: there the flags
+    are copied when a later batch begins and read once computed, while
+    later steps run."""
 
     async_safe = True
 
@@ -158,34 +175,43 @@ class DivergenceReport(keras.callbacks.Callback):
         self._thread = None
         self._open = None
         self._copies = []
+        self._due = 0.0
+        self._in_thread = False
 
     def set_model(self, model):
         super().set_model(model)
         # Read without `self.model`, which on JAX writes the whole training
-        # state back to the variables: `check_batch` reads one of them.
+        # state back to the variables: `check_batch` reads some of them.
         self._array = model
 
     def on_train_begin(self, logs=None):
         self.model._bad_batch.reset_state()
         self.model._bad_batch.hold(True)
         self._thread = threading.get_ident()
-        self._open, self._copies = None, []
+        self._open, self._copies, self._due = None, [], 0.0
+        # Whether the ends of batches run in this thread.
+        self._in_thread = False
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None):
-        if self._open is not None:
-            # The last step's batches, not checked at their end: the flags
-            # they left, copied before the next step takes them over.
-            self._copies.append((
-                self._open, batch - 1, self._array._kept_training_value(
-                    self._array._bad_batch.found)))
+        if (not self._in_thread and self._open is not None
+                and self._open < batch and self._is_due()):
+            # Batches whose ends ran in worker threads: the flags they
+            # left, copied before the next step takes them over.
+            self._copies.append((self._open, batch - 1,
+                                 self._array._kept_refusals()))
+            self._open = None
         self._check_copies(wait=False)
-        self._open = batch
+        if self._open is None:
+            self._open = batch
 
     def on_train_batch_end(self, batch, logs=None):
-        if threading.get_ident() == self._thread:
+        if threading.get_ident() != self._thread:
+            return
+        self._in_thread = True
+        if self._is_due():
             first, self._open = self._open, None
             self._check(first, batch)
 
@@ -205,20 +231,34 @@ class DivergenceReport(keras.callbacks.Callback):
         self.model._bad_batch.hold(False)
         self._report()
 
+    def _is_due(self):
+        """Whether `_CHECK_SECONDS` passed since the last check (then the
+        next one is counted from now)."""
+        now = time.monotonic()
+        if now < self._due:
+            return False
+        self._due = now + _CHECK_SECONDS
+        return True
+
     def _check_copies(self, wait):
         """Checks the copied flags in order, those computed (all of them
         where `wait`)."""
-        while self._copies and (wait or _ready(self._copies[0][2])):
-            first, last, found = self._copies.pop(0)
-            self._check(first, last, found)
+        while self._copies and (wait or all(
+                _ready(value) for value in self._copies[0][2])):
+            first, last, refusals = self._copies.pop(0)
+            self._check(first, last, refusals)
 
-    def _check(self, first, last, found=None):
-        """Raises if batches `first` to `last` of this epoch were refused
-        (`found`: the flags they left; by default the array's)."""
-        batches = (f"batch {first}" if first == last else
-                   f"one of batches {first}-{last}")
-        self._array.check_batch(f"{batches} of epoch {self._epoch} "
-                                "(counted from 0)", found)
+    def _check(self, first, last, refusals=None):
+        """Raises if one of batches `first` to `last` of this epoch was
+        refused (`refusals`: `_kept_refusals()` taken after them; by
+        default, the array's now), naming the first refused."""
+        found, refused = (ops.convert_to_numpy(value) for value in (
+            refusals or self._array._refusals()))
+        if not (found > 0).any():
+            return
+        batch = min(last, max(first, last - int(refused) + 1))
+        self._array.check_batch(
+            f"batch {batch} of epoch {self._epoch} (counted from 0)", found)
 
     def _report(self):
         model = self.model
@@ -344,10 +384,27 @@ class Divergence:
         """Gives the models where the `[B]` booleans `models` hold their
         slices of `values` back in `variables` (the backend trainer may
         skip the work on steps that restore none)."""
-        for variable, value in zip(variables, values):
-            variable.assign(ops.where(
-                to_model_rank(models, len(variable.shape)), value,
-                variable.value))
+        for variable, value in zip(variables, self._restored_values(
+                variables, values, models)):
+            variable.assign(value)
+
+    def _restored_values(self, variables, values, models):
+        """The values of `variables` with the slices of the models where
+        the `[B]` booleans `models` hold taken from `values`."""
+        return [ops.where(to_model_rank(models, len(variable.shape)), value,
+                          variable.value)
+                for variable, value in zip(variables, values)]
+
+    def _refusals(self):
+        """The flags of `BatchProblems` (`found`, `refused`), as the
+        training state holds them now."""
+        return [self._training_value(v)
+                for v in (self._bad_batch.found, self._bad_batch.refused)]
+
+    def _kept_refusals(self):
+        """`_refusals()`, kept from the steps that follow."""
+        return self._kept_training_values(
+            [self._bad_batch.found, self._bad_batch.refused])
 
     def check_batch(self, where, found=None):
         """Raises if the last training batch was refused (what
@@ -448,7 +505,7 @@ class Divergence:
         problems = self._batch_problems(
             ops.logical_and(active, ops.logical_not(finite)), active, data)
         refused = ops.logical_or(ops.any(problems), self._bad_batch.held())
-        self._bad_batch.update_state(problems)
+        self._bad_batch.update_state(problems, refused)
         training = ops.logical_and(ops.logical_and(active, finite),
                                    ops.logical_not(refused))
         updated = [v for _, _, variables in updates for v in variables

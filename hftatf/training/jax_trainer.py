@@ -30,7 +30,7 @@ from keras import ops
 
 from hftatf import passes
 from hftatf.core import compat
-from hftatf.core.axis import concat_models, take_models, to_model_rank
+from hftatf.core.axis import concat_models, take_models
 from hftatf.core.compat import get_keras_mask
 from hftatf.distribution import check_distribution
 
@@ -47,7 +47,7 @@ def _current(scope, variables, values):
 
 # A copy of an array that the next step, which takes its state over, does
 # not delete: compiled, as an eager copy costs several times more.
-_copy = jax.jit(jax.numpy.copy)
+_copy = jax.jit(lambda values: [jax.numpy.copy(v) for v in values])
 
 
 def _without_attributes(y_pred):
@@ -159,10 +159,11 @@ class JAXTrainer:
                 return values[positions[id(variable)]]
         return variable.value
 
-    def _kept_training_value(self, variable):
-        """`_training_value(variable)`, kept from the next step, which
-        takes the state over: copied without waiting for the step."""
-        return _copy(self._training_value(variable))
+    def _kept_training_values(self, variables):
+        """`_training_value` of each of `variables`, kept from the next
+        step, which takes the state over: copied in one program, without
+        waiting for the step."""
+        return _copy([self._training_value(v) for v in variables])
 
     def __setattr__(self, name, value):
         if name == "_jax_state":
@@ -177,14 +178,10 @@ class JAXTrainer:
         """`Divergence._restore_models`, computed only on steps that
         restore a model (the branches of `ops.cond` give values: on JAX a
         branch may not assign variables)."""
-        current = [variable.value for variable in variables]
-
-        def restored():
-            return [ops.where(to_model_rank(models, len(value.shape)), value,
-                              now) for value, now in zip(values, current)]
-
         for variable, value in zip(variables, ops.cond(
-                ops.any(models), restored, lambda: current)):
+                ops.any(models),
+                lambda: self._restored_values(variables, values, models),
+                lambda: [v.value for v in variables])):
             variable.assign(value)
 
     def _uses_replica_jit(self, jit_compile, run_eagerly):
@@ -247,7 +244,11 @@ class JAXTrainer:
         mapping = (list(zip(self.trainable_variables, trainable))
                    + list(zip(self.non_trainable_variables, non_trainable))
                    + list(zip(self.metrics_variables, metrics_values)))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        # Collecting the losses the forward pass adds (activity
+        # regularizers, `add_loss`), which `self.losses` reads, as Keras's
+        # `test_step` does: outside a collecting scope they are dropped.
+        with keras.StatelessScope(state_mapping=mapping,
+                                  collect_losses=True) as scope:
             y_pred = self(x, training=False)
             losses = self.compute_model_losses(
                 x, y, y_pred, sample_weight, training=False)

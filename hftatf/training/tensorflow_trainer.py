@@ -147,9 +147,10 @@ class TensorFlowTrainer:
         may be in the step's state)."""
         return variable.value
 
-    def _kept_training_value(self, variable):
-        """`_training_value(variable)`, kept from the steps that follow."""
-        return ops.copy(variable.value)
+    def _kept_training_values(self, variables):
+        """`_training_value` of each of `variables`, kept from the steps
+        that follow."""
+        return [ops.copy(variable.value) for variable in variables]
 
     def _vectorized_map(self, function, elements):
         """`tf.vectorized_map`, None where an op of `function` has no

@@ -592,6 +592,9 @@ class ConvBlock(layers.Layer):
         return {**super().get_config(), "spectral": self.spectral}
 
 
+@pytest.mark.backends(
+    "tensorflow", reason="TensorFlow's CPU kernels without XLA; on JAX every "
+    "step is compiled by XLA, as for stock Keras")
 def test_convolutions_inside_keep_xla_off_on_a_cpu():
     # As for the array's own convolutions: TensorFlow's kernels on a CPU.
     inputs = keras.Input((8, 2))

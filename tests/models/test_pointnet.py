@@ -157,12 +157,14 @@ def test_array_losses_are_each_models_own(builder):
                   loss="sparse_categorical_crossentropy")
     results = array.evaluate(x, y, batch_size=8, verbose=0,
                              return_dict=True)
-    # One [B] loss per transform: entry b is model b's orthogonality loss.
+    # One [B] loss per transform: entry b is model b's orthogonality loss
+    # (the models' differ: 1e-4 apart and more on either backend's draws;
+    # one loss given to every model would repeat it exactly).
     array(x, training=False)
     losses = np.asarray(array.losses)
     assert losses.shape == (2, 3)
     assert np.min(np.abs(losses[:, :, None] - losses[:, None, :])
-                  + np.eye(3)) > 1e-3, losses
+                  + np.eye(3)) > 1e-5, losses
     for b, model in enumerate(models):
         model.compile(loss="sparse_categorical_crossentropy")
         assert_close(results[f"loss_{b}"],

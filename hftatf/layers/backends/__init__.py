@@ -31,6 +31,10 @@ one of the backend Keras runs on (fixed when Keras is imported):
                          run (to find what it would assign)
     init_scope           a block whose variables are made outside any
                          traced graph
+    read_after_assignment
+                         what reads of a trainable weight give after a
+                         call assigns it, differentiated as stock Keras
+                         differentiates them
 
 TensorFlow's module holds its CPU-kernel choices and sparse gradients; the
 JAX module (any other backend too) computes as stock Keras on that backend
@@ -58,3 +62,4 @@ holds_outside_state = _backend.holds_outside_state
 executing_eagerly = _backend.executing_eagerly
 trace = _backend.trace
 init_scope = _backend.init_scope
+read_after_assignment = _backend.read_after_assignment

@@ -114,3 +114,12 @@ def trace(function, specs):
     """Traces `function` on symbolic tensors of `specs` (Keras tensors'
     shapes and dtypes), without running it."""
     compat.compute_output_spec(function, *specs)
+
+
+def read_after_assignment(value, read):
+    """What a trainable weight read `read` gives after a call assigns it
+    `value`: `value` itself. Stock Keras on JAX differentiates through the
+    computation of `value` (a variable is a value of the step there), and
+    its step keeps no assignment of a trainable weight."""
+    del read
+    return value

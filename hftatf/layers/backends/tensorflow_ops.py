@@ -242,3 +242,11 @@ def trace(function, specs):
     shapes and dtypes), without running it."""
     tf.function(function, autograph=False).get_concrete_function(
         *[tf.TensorSpec(spec.shape, spec.dtype) for spec in specs])
+
+
+def read_after_assignment(value, read):
+    """What a trainable weight read `read` gives after a call assigns it
+    `value`: `value`, differentiated as TensorFlow differentiates a
+    variable (the gradient of reads after the assignment is the
+    weight's, never the gradient through the computation of `value`)."""
+    return ops.stop_gradient(value) + (read - ops.stop_gradient(read))
