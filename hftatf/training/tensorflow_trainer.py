@@ -155,7 +155,12 @@ class TensorFlowTrainer:
     def _vectorized_map(self, function, elements):
         """`tf.vectorized_map`, None where an op of `function` has no
         vectorized form: its fallback, a `tf.while_loop` over the models,
-        would be slower than the per-model objects."""
+        would be slower than the per-model objects. None outside a traced
+        step too (the logs at the end of an epoch): there each call would
+        trace a function of its own."""
+        if tf.executing_eagerly():
+            return None
+        compat.vectorize_bitcast()
         try:
             return tf.vectorized_map(function, elements,
                                      fallback_to_while_loop=False)
