@@ -29,32 +29,13 @@ import numpy as np
 from keras import ops
 
 from hftatf import passes
-from hftatf.core import compat
 from hftatf.core.axis import concat_models, take_models
-from hftatf.core.compat import get_keras_mask
 from hftatf.distribution import check_distribution
-
-
-def _current(scope, variables, values):
-    """The values of `variables` at the end of `scope` (those it did not
-    assign keep `values`)."""
-    new = []
-    for variable, value in zip(variables, values):
-        current = scope.get_current_value(variable)
-        new.append(value if current is None else current)
-    return new
-
+from hftatf.training.losses import current_values
 
 # A copy of an array that the next step, which takes its state over, does
 # not delete: compiled, as an eager copy costs several times more.
 _copy = jax.jit(lambda values: [jax.numpy.copy(v) for v in values])
-
-
-def _without_attributes(y_pred):
-    """Whether no output carries a mask or logits (which mapping over the
-    model axis would not carry)."""
-    return all(get_keras_mask(t) is None and compat.keras_logits(t) is None
-               for t in keras.tree.flatten(y_pred))
 
 
 class JAXTrainer:
@@ -207,7 +188,8 @@ class JAXTrainer:
     def state_after(self, scope, state):
         """The four state lists at the end of `scope`
         (`stateless_scope(state)`)."""
-        return tuple(_current(scope, variables, values) for variables, values
+        return tuple(current_values(scope, variables, values)
+                     for variables, values
                      in zip(self._state_variables(), state))
 
     def train_step(self, state, data):
@@ -255,8 +237,8 @@ class JAXTrainer:
             logs = self._track(x, y, y_pred, sample_weight, losses)
         return logs, (
             trainable,
-            _current(scope, self.non_trainable_variables, non_trainable),
-            _current(scope, self.metrics_variables, metrics_values))
+            current_values(scope, self.non_trainable_variables, non_trainable),
+            current_values(scope, self.metrics_variables, metrics_values))
 
     def compute_loss_and_updates(self, trainable_variables,
                                  non_trainable_variables, metrics_variables,
@@ -292,7 +274,7 @@ class JAXTrainer:
                     training=training)
             loss = (self.optimizer.scale_model_losses(losses) if training
                     else ops.sum(losses))
-        metrics_values = _current(scope, self.metrics_variables,
+        metrics_values = current_values(scope, self.metrics_variables,
                                   metrics_values)
         return loss, (losses, y_pred, non_trainable, metrics_values)
 

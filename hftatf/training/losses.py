@@ -217,11 +217,7 @@ class PerModelLosses:
         if len(groups) > 1:
             self._build_alike(groups, 0, y, y_pred, sample_weight)
         variables = groups[0].variables
-        # A metric that makes its variables at its first update (F1Score)
-        # is first updated model by model.
-        if (len(groups) > 1 and without_masks(y_pred)
-                and all(m.variables for m in groups[0].metrics)
-                and all(len(g.variables) == len(variables) for g in groups)):
+        if self._metrics_alike() and without_masks(y_pred):
 
             def update(labels, pred, weights, values):
                 with keras.StatelessScope(
@@ -231,8 +227,7 @@ class PerModelLosses:
 
             updated = self._map_models(
                 update, range(self.num_models), y, y_pred, sample_weight,
-                training, [ops.stack([g.variables[i].value for g in groups])
-                           for i in range(len(variables))])
+                training, self._stacked_metric_values())
             if updated is not None:
                 for number, values in enumerate(updated):
                     for group, value in zip(groups, ops.unstack(values)):
@@ -242,6 +237,52 @@ class PerModelLosses:
         for index, (metrics, pred) in enumerate(zip(groups, preds)):
             metrics.update_state(*self._model_targets(
                 y, y_pred, sample_weight, index, pred, training=training))
+
+    def _metrics_alike(self):
+        """Whether the models' compiled metrics (more than one) hold
+        variables of one structure, which one model's metrics can map
+        over: a metric that makes its variables at its first update
+        (F1Score) is first updated model by model."""
+        groups = self._model_metrics or ()
+        variables = groups[0].variables if groups else ()
+        return (len(groups) > 1
+                and all(m.variables for m in groups[0].metrics)
+                and all(len(g.variables) == len(variables) for g in groups))
+
+    def _stacked_metric_values(self):
+        """Each variable of the models' compiled metrics, stacked over the
+        models: `[B, *shape]`."""
+        groups = self._model_metrics
+        return [ops.stack([g.variables[i].value for g in groups])
+                for i in range(len(groups[0].variables))]
+
+    def _model_metric_results(self):
+        """Each model's compiled metric results (a dict by name per
+        model): one model's `result` mapped over the stacked variables
+        where the models' metrics are alike, so that the step's program
+        does not compute them model by model."""
+        groups = self._model_metrics or []
+        if self._metrics_alike():
+            variables = groups[0].variables
+
+            def result(values):
+                with keras.StatelessScope(
+                        state_mapping=list(zip(variables, values))):
+                    # A result may be the metric's own variable (the
+                    # counts of `TruePositives(thresholds=[...])`).
+                    return {name: value.value if isinstance(
+                        value, keras.Variable) else value for name, value
+                        in groups[0].result().items()}
+
+            mapped = self._vectorized_map(result,
+                                          self._stacked_metric_values())
+            if mapped is not None:
+                mapped = {name: ops.unstack(value)
+                          for name, value in mapped.items()}
+                return [{name: values[index]
+                         for name, values in mapped.items()}
+                        for index in range(self.num_models)]
+        return [group.result() for group in groups]
 
     def _build_alike(self, objects, index, y, y_pred, sample_weight):
         """Builds those of `objects` (the models' `CompileMetrics`) not
@@ -373,13 +414,12 @@ class PerModelLosses:
             return super().get_metrics_result()
         per_model = {"loss": self._model_values(
             self._model_loss_tracker.result())}
-        groups = [m for m in self._model_metrics or ()]
-        groups += [m for m in self._model_losses or ()]
-        for index, group in enumerate(groups):
+        results = self._model_metric_results() + [
+            {m.name: m.result() for m in group.metrics}
+            for group in self._model_losses or ()]
+        for index, model_results in enumerate(results):
             index %= self.num_models
-            results = {m.name: m.result() for m in group.metrics} if (
-                isinstance(group, CompileLoss)) else group.result()
-            for name, value in results.items():
+            for name, value in model_results.items():
                 per_model.setdefault(name, [None] * self.num_models)
                 # A result may be the metric's own variable (the counts of
                 # `TruePositives(thresholds=[...])`).
