@@ -22,6 +22,30 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 BACKEND = keras.backend.backend()
+# On JAX most of the suite's time is XLA compiling the tests' steps, which
+# then run a few times each: the test processes share one compilation
+# cache (a program one test worker compiled, the others read), and
+# compile without LLVM's optimisations. Stock Keras and the array are
+# compiled alike: the oracle runs as the array does.
+_OWN_JAX_CACHE = "HFTATF_TESTS_OWN_JAX_CACHE"
+if BACKEND == "jax":
+    import tempfile
+
+    import jax
+
+    if "--xla_backend_optimization_level" not in os.environ.get(
+            "XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+            os.environ.get("XLA_FLAGS"),
+            "--xla_backend_optimization_level=0"]))
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+            prefix="hftatf-tests-jax-")
+        os.environ[_OWN_JAX_CACHE] = str(os.getpid())
+    jax.config.update("jax_compilation_cache_dir",
+                      os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 if ON_GPU and BACKEND == "tensorflow":
     import tensorflow as tf
 
@@ -87,3 +111,12 @@ def _seed():
         import jax
 
         jax.clear_caches()
+
+
+def pytest_unconfigure(config):
+    # The process that made the tests' JAX compilation cache removes it.
+    if os.environ.get(_OWN_JAX_CACHE) == str(os.getpid()):
+        import shutil
+
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"],
+                      ignore_errors=True)

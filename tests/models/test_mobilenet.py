@@ -5,7 +5,11 @@ import keras
 import numpy as np
 import pytest
 from testing import assert_close
-from zoo_testing import assert_export_round_trip, assert_fit_matches_stock
+from zoo_testing import (
+    EAGER,
+    assert_export_round_trip,
+    assert_fit_matches_stock,
+)
 
 import hftatf
 from hftatf.models import data, mobilenet, recipes
@@ -181,7 +185,7 @@ def test_export_round_trip(tmp_path):
     x, y = images(8)
     array = hftatf.fuse(tiny("v3_small"), 2)
     array.compile(hftatf.optimizers.SGD([0.05, 0.02]),
-                  loss="sparse_categorical_crossentropy", run_eagerly=True)
+                  loss="sparse_categorical_crossentropy", run_eagerly=EAGER)
     array.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert_export_round_trip(array, x, tmp_path)
 

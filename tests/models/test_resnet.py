@@ -4,7 +4,11 @@ recipe, and learning on scikit-learn's digits."""
 import keras
 import numpy as np
 import pytest
-from zoo_testing import assert_export_round_trip, assert_fit_matches_stock
+from zoo_testing import (
+    EAGER,
+    assert_export_round_trip,
+    assert_fit_matches_stock,
+)
 
 import hftatf
 from hftatf.models import data, recipes, resnet
@@ -102,7 +106,7 @@ def test_export_round_trip(tmp_path):
     x, y = images(8)
     array = hftatf.fuse(tiny_resnet(), 2)
     array.compile(hftatf.optimizers.SGD([0.05, 0.02]),
-                  loss="sparse_categorical_crossentropy", run_eagerly=True)
+                  loss="sparse_categorical_crossentropy", run_eagerly=EAGER)
     array.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert_export_round_trip(array, x, tmp_path)
 

@@ -3,11 +3,16 @@ with `fit` against B stock models trained alike, and export round trips."""
 
 import keras
 import numpy as np
-from testing import ATOL, RTOL, assert_close
+from testing import ATOL, BACKEND, RTOL, assert_close
 
 import hftatf
 
 LOSS = "sparse_categorical_crossentropy"
+# Two steps of these deep networks run eagerly on TensorFlow, where tracing
+# their graphs would take most of the test; on JAX an eager step compiles
+# each operation's program on its own, hundreds of them, and one compiled
+# step is the faster.
+EAGER = BACKEND == "tensorflow"
 
 
 def assert_fit_matches_stock(model, x, y, learning_rates, batch_size=8,
@@ -36,16 +41,14 @@ def assert_fit_matches_stock(model, x, y, learning_rates, batch_size=8,
     array = hftatf.fuse(model, num_models)
     stock = array.unfuse()
     start = [[np.asarray(w).copy() for w in m.weights] for m in stock]
-    # Eagerly: tracing these deep graphs would take most of the test, and
-    # two steps need no graph.
     array.compile(hftatf.optimizers.SGD(learning_rates), loss=LOSS,
-                  run_eagerly=True)
+                  run_eagerly=EAGER)
     history = array.fit(x, y, batch_size=batch_size, epochs=1,
                         shuffle=False, verbose=0)
     trained = array.unfuse()
     for b, reference in enumerate(stock):
         reference.compile(keras.optimizers.SGD(learning_rates[b]), loss=LOSS,
-                          run_eagerly=True)
+                          run_eagerly=EAGER)
         stock_history = reference.fit(x, y, batch_size=batch_size, epochs=1,
                                       shuffle=False, verbose=0)
         changes = [np.asarray(w) - w0
