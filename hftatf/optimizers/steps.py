@@ -15,7 +15,6 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
-from hftatf.core.axis import to_model_rank
 from hftatf.optimizers import backend, scopes
 
 
@@ -297,9 +296,8 @@ class PerModelSteps:
                 f"'{variable.name}' during a step applied to some models "
                 "only; only [num_models, ...] variables can be updated per "
                 "model. Give the variable a leading model axis.")
-        mask = to_model_rank(mask, len(variable.shape))
-        return ops.where(mask, ops.cast(value, variable.dtype),
-                         scopes.read(variable))
+        return backend.select_models(
+            mask, ops.cast(value, variable.dtype), scopes.read(variable))
 
     @compat.optimizer_hook
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
