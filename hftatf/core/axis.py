@@ -6,6 +6,8 @@ Each operation on that axis has one name here:
 
     repeat_models      a shared `[batch, ...]` tensor as every model's
     to_model_rank      `[B]` per-model values as `[B, 1, ..., 1]`
+    select_models      some models' slices from one tensor, the rest's
+                       from another
     split_models       the B per-model tensors of one tensor
     pieces_if_stacked  the B tensors a tensor was stacked from, if it was
     stack_models       B per-model tensors as one tensor
@@ -49,6 +51,23 @@ def to_model_rank(values, ndim):
     """`[B]` per-model values as `[B, 1, ..., 1]` of rank `ndim`, to
     broadcast against a `[B, ...]` weight."""
     return ops.reshape(values, (-1,) + (1,) * (ndim - 1))
+
+
+def select_models(models, x, y):
+    """`x`'s slices of the models where the `[B]` booleans `models` hold,
+    `y`'s of the others (`[B, ...]` tensors of one shape and dtype).
+
+    On TensorFlow, the select of whole rows that a rank-1 condition makes
+    (`tf.compat.v1.where`): it copies each model's slice at once, where
+    `tf.where` broadcasts the `[B, 1, ..., 1]` condition to every element
+    and costs a partial step (frozen models) more time than the update it
+    selects from. Elsewhere `keras.ops.where`, which XLA fuses into the
+    computation of `x`."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.compat.v1.where(models, x, y)
+    return ops.where(to_model_rank(models, len(x.shape)), x, y)
 
 
 def pieces_if_stacked(tensor, num_models, axis):

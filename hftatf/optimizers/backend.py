@@ -11,9 +11,6 @@ on every backend; these functions are where the difference is decided.
 import contextlib
 
 import keras
-from keras import ops
-
-from hftatf.core.axis import to_model_rank
 
 
 def _tensorflow():
@@ -65,19 +62,3 @@ def weight_decay_subject(variable):
     if _tensorflow() is None:
         return variable
     return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def select_models(models, x, y):
-    """`x`'s slices of the models where the `[B]` booleans `models` hold,
-    `y`'s of the others (`[B, ...]` tensors of one shape and dtype).
-
-    On TensorFlow, the select of whole rows that a rank-1 condition makes
-    (`tf.compat.v1.where`): it copies each model's slice at once, where
-    `tf.where` broadcasts the `[B, 1, ..., 1]` condition to every element
-    and costs a partial step (frozen models) more time than the update it
-    selects from. Elsewhere `keras.ops.where`, which XLA fuses into the
-    computation of `x`."""
-    tf = _tensorflow()
-    if tf is None:
-        return ops.where(to_model_rank(models, len(x.shape)), x, y)
-    return tf.compat.v1.where(models, x, y)

@@ -15,6 +15,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
+from hftatf.core.axis import select_models
 from hftatf.optimizers import backend, scopes
 
 
@@ -296,7 +297,7 @@ class PerModelSteps:
                 f"'{variable.name}' during a step applied to some models "
                 "only; only [num_models, ...] variables can be updated per "
                 "model. Give the variable a leading model axis.")
-        return backend.select_models(
+        return select_models(
             mask, ops.cast(value, variable.dtype), scopes.read(variable))
 
     @compat.optimizer_hook

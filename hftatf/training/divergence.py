@@ -15,7 +15,7 @@ from keras import ops
 
 from hftatf import sparse
 from hftatf.core import compat
-from hftatf.core.axis import to_model_rank
+from hftatf.core.axis import select_models
 
 
 class ModelStatus(keras.metrics.Metric):
@@ -391,20 +391,20 @@ class Divergence:
     def _restored_values(self, variables, values, models):
         """The values of `variables` with the slices of the models where
         the `[B]` booleans `models` hold taken from `values`."""
-        return [ops.where(to_model_rank(models, len(variable.shape)), value,
-                          variable.value)
+        return [select_models(models, value, variable.value)
                 for variable, value in zip(variables, values)]
 
+    def _refusal_variables(self):
+        """The flags of `BatchProblems`: `found`, `refused`."""
+        return [self._bad_batch.found, self._bad_batch.refused]
+
     def _refusals(self):
-        """The flags of `BatchProblems` (`found`, `refused`), as the
-        training state holds them now."""
-        return [self._training_value(v)
-                for v in (self._bad_batch.found, self._bad_batch.refused)]
+        """`_refusal_variables()` as the training state holds them now."""
+        return [self._training_value(v) for v in self._refusal_variables()]
 
     def _kept_refusals(self):
         """`_refusals()`, kept from the steps that follow."""
-        return self._kept_training_values(
-            [self._bad_batch.found, self._bad_batch.refused])
+        return self._kept_training_values(self._refusal_variables())
 
     def check_batch(self, where, found=None):
         """Raises if the last training batch was refused (what
@@ -523,9 +523,8 @@ class Divergence:
         training = ops.logical_and(training, ops.logical_not(broken))
         if state is not None:
             for variable, before in zip(*state):
-                variable.assign(ops.where(
-                    to_model_rank(training, len(variable.shape)),
-                    variable.value, before))
+                variable.assign(select_models(training, variable.value,
+                                              before))
         self._status.update_state(
             ops.logical_and(ops.logical_and(active, ops.logical_not(
                 training)), ops.logical_not(refused)),

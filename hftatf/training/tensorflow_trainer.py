@@ -50,9 +50,9 @@ from hftatf.core import compat
 from hftatf.core.axis import (
     concat_models,
     mask_has_model_axis,
+    select_models,
     swap_model_axis,
     take_models,
-    to_model_rank,
 )
 from hftatf.core.compat import (
     get_keras_mask,
@@ -110,14 +110,12 @@ def _sum_gradients(parts):
     return ops.sum(ops.stack(parts), axis=0) if parts else None
 
 
-def _select_models(variable, value, models):
+def _assign_models(variable, value, models):
     """Assigns `value` to the slices of the TensorFlow `variable` of the
     models where the `[B]` booleans `models` hold (on steps where one
     does)."""
     def select():
-        variable.assign(tf.where(
-            to_model_rank(models, len(variable.shape)), value,
-            variable))
+        variable.assign(select_models(models, value, variable))
 
     tf.cond(tf.reduce_any(models), select, lambda: None)
 
@@ -246,7 +244,7 @@ class TensorFlowTrainer:
         def restore(strategy, values, models):
             for variable, value in zip(variables, values):
                 strategy.extended.update(
-                    variable.value, _select_models, args=(value, models),
+                    variable.value, _assign_models, args=(value, models),
                     group=False)
 
         context.merge_call(restore, args=(values, models))
