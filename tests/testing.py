@@ -12,6 +12,12 @@ BACKEND = keras.backend.backend()
 ATOL = 1e-5
 RTOL = 1e-5
 
+# `jit_compile` for a test that trains for epochs: the quickest compiled
+# step. On TensorFlow a graph without XLA (XLA compiles a zoo model's step
+# slowly on a CPU); on JAX, XLA, the only compiler of a step there
+# (`jit_compile=False` runs each operation eagerly).
+LONG_FIT_JIT = BACKEND == "jax"
+
 # TensorFlow's batched matmuls: oneDNN's on a CPU, and the Eigen kernel
 # `hftatf.layers.backends.tensorflow_ops.batch_matmul` picks for small products.
 BATCHED_MATMULS = frozenset({"BatchMatMulV2", "BatchMatMulV3"})
