@@ -3,7 +3,7 @@ with `fit` against B stock models trained alike, and export round trips."""
 
 import keras
 import numpy as np
-from testing import ATOL, RTOL, assert_close
+from testing import ATOL, BACKEND, RTOL, assert_close
 
 import hftatf
 
@@ -11,7 +11,7 @@ LOSS = "sparse_categorical_crossentropy"
 
 
 def assert_fit_matches_stock(model, x, y, learning_rates, batch_size=8,
-                             update_rtol=None, loss_rtol=RTOL):
+                             update_rtol=None, loss_rtol=RTOL, eager=None):
     """Fuses `model` into an array of `len(learning_rates)` models, trains it
     for one epoch of `x` with fused SGD, trains B stock copies of its start
     with stock SGD on the same batches, and asserts that every weight
@@ -31,21 +31,27 @@ def assert_fit_matches_stock(model, x, y, learning_rates, batch_size=8,
             fraction of the model's largest change (of a trainable weight,
             or of a statistic for statistics).
         loss_rtol: the relative tolerance of the logged losses.
+        eager: whether the array and the stock models run their steps
+            eagerly. None: eagerly on TensorFlow, where tracing these deep
+            graphs would take most of the test and two steps need no
+            graph; compiled on JAX, where an eager step compiles each
+            operation's program on its own, which takes longer than
+            compiling the step.
     """
     num_models = len(learning_rates)
     array = hftatf.fuse(model, num_models)
     stock = array.unfuse()
     start = [[np.asarray(w).copy() for w in m.weights] for m in stock]
-    # Eagerly: tracing these deep graphs would take most of the test, and
-    # two steps need no graph.
+    if eager is None:
+        eager = BACKEND != "jax"
     array.compile(hftatf.optimizers.SGD(learning_rates), loss=LOSS,
-                  run_eagerly=True)
+                  run_eagerly=eager)
     history = array.fit(x, y, batch_size=batch_size, epochs=1,
                         shuffle=False, verbose=0)
     trained = array.unfuse()
     for b, reference in enumerate(stock):
         reference.compile(keras.optimizers.SGD(learning_rates[b]), loss=LOSS,
-                          run_eagerly=True)
+                          run_eagerly=eager)
         stock_history = reference.fit(x, y, batch_size=batch_size, epochs=1,
                                       shuffle=False, verbose=0)
         changes = [np.asarray(w) - w0
