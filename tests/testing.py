@@ -132,6 +132,29 @@ def stock_and_fused_embeddings(num_models, input_dim, output_dim, rng,
     return stock, fused
 
 
+def compiled_call(model, x, training=False):
+    """`model(x, training=training)` as NumPy, compiled on JAX: one program
+    for the whole network (an eager call compiles each operation's own,
+    which takes longer for a deep network); the variables the call assigns
+    (moving statistics) are assigned as the eager call assigns them. On
+    TensorFlow, the eager call."""
+    if BACKEND != "jax":
+        return np.asarray(model(x, training=training))
+    import jax
+
+    @jax.jit
+    def call(trainable, non_trainable, x):
+        return model.stateless_call(trainable, non_trainable, x,
+                                    training=training)
+
+    outputs, non_trainable = call(
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables], x)
+    for variable, value in zip(model.non_trainable_variables, non_trainable):
+        variable.assign(value)
+    return np.asarray(outputs)
+
+
 def value_and_gradients(function, tensors, variables=(), state=()):
     """`function(*tensors)` (returning `(outputs, scalar)`) and the
     gradients of `scalar` with respect to each of `tensors` and each
