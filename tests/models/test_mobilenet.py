@@ -4,8 +4,12 @@ stock models, export, recipes, and learning on scikit-learn's digits."""
 import keras
 import numpy as np
 import pytest
-from testing import LONG_FIT_JIT, assert_close
-from zoo_testing import assert_export_round_trip, assert_fit_matches_stock
+from testing import LONG_FIT_JIT, assert_close, compiled_call
+from zoo_testing import (
+    EAGER,
+    assert_export_round_trip,
+    assert_fit_matches_stock,
+)
 
 import hftatf
 from hftatf.models import data, mobilenet, recipes
@@ -67,7 +71,7 @@ def test_same_network_as_keras_applications(name, alpha):
         mine.set_weights([np.reshape(v, w.shape)
                           for v, w in zip(values, mine.weights)])
     x, _ = images(4, 32)
-    assert_close(model(x), reference(x))
+    assert_close(compiled_call(model, x), compiled_call(reference, x))
 
 
 @pytest.mark.parametrize("name, channels, stem_strides, side", [
@@ -77,7 +81,7 @@ def test_32x32_inputs(name, channels, stem_strides, side):
     assert model.get_layer("top_act").output.shape == (None, side, side,
                                                        channels)
     x, _ = images(2, 32)
-    assert model(x).shape == (2, CLASSES)
+    assert compiled_call(model, x).shape == (2, CLASSES)
 
 
 def test_v3_blocks_follow_the_spec():
@@ -181,7 +185,7 @@ def test_export_round_trip(tmp_path):
     x, y = images(8)
     array = hftatf.fuse(tiny("v3_small"), 2)
     array.compile(hftatf.optimizers.SGD([0.05, 0.02]),
-                  loss="sparse_categorical_crossentropy", run_eagerly=True)
+                  loss="sparse_categorical_crossentropy", run_eagerly=EAGER)
     array.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert_export_round_trip(array, x, tmp_path)
 
@@ -194,7 +198,8 @@ def test_recipes(name):
     train, _ = recipe.data(4, **recipe.data_args)
     x, _ = next(iter(train))
     assert x.shape == (4, *model.input_shape[1:])
-    assert model(x).shape == (4, recipe.model_args["num_classes"])
+    assert compiled_call(model, x).shape == (
+        4, recipe.model_args["num_classes"])
 
 
 # -- learning ---------------------------------------------------------------

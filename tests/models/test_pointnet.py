@@ -5,8 +5,12 @@ of parametric shapes."""
 import keras
 import numpy as np
 import pytest
-from testing import LONG_FIT_JIT, assert_close
-from zoo_testing import assert_export_round_trip, assert_fit_matches_stock
+from testing import LONG_FIT_JIT, assert_close, compiled_call
+from zoo_testing import (
+    EAGER,
+    assert_export_round_trip,
+    assert_fit_matches_stock,
+)
 
 import hftatf
 from hftatf.models import data, pointnet, recipes
@@ -194,7 +198,7 @@ def test_export_round_trip(tmp_path):
     x, y = clouds(8)
     array = hftatf.fuse(tiny_classifier(), 2)
     array.compile(hftatf.optimizers.SGD([0.05, 0.02]),
-                  loss="sparse_categorical_crossentropy", run_eagerly=True)
+                  loss="sparse_categorical_crossentropy", run_eagerly=EAGER)
     array.fit(x, y, batch_size=8, epochs=1, verbose=0)
     # Every format: the transforms' regularizer is a custom Keras object.
     assert_export_round_trip(array, x, tmp_path,
@@ -213,7 +217,7 @@ def test_recipes(name, target):
     train, _ = recipe.data(4, **{**recipe.data_args, "samples_per_shape": 2})
     x, y = next(iter(train))
     assert x.shape == (4, 256, 3) and y.shape == (4, *target)
-    assert model(x).shape[:-1] == y.shape
+    assert compiled_call(model, x).shape[:-1] == y.shape
 
 
 # -- learning ---------------------------------------------------------------

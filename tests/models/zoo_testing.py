@@ -9,6 +9,12 @@ import hftatf
 
 LOSS = "sparse_categorical_crossentropy"
 
+# Whether the zoo tests' few steps run eagerly: on TensorFlow, where
+# tracing these deep graphs would take most of a test and two steps need
+# no graph; not on JAX, where an eager step compiles each operation's
+# program on its own, which takes longer than compiling the step.
+EAGER = BACKEND != "jax"
+
 
 def assert_fit_matches_stock(model, x, y, learning_rates, batch_size=8,
                              update_rtol=None, loss_rtol=RTOL, eager=None):
@@ -32,18 +38,14 @@ def assert_fit_matches_stock(model, x, y, learning_rates, batch_size=8,
             or of a statistic for statistics).
         loss_rtol: the relative tolerance of the logged losses.
         eager: whether the array and the stock models run their steps
-            eagerly. None: eagerly on TensorFlow, where tracing these deep
-            graphs would take most of the test and two steps need no
-            graph; compiled on JAX, where an eager step compiles each
-            operation's program on its own, which takes longer than
-            compiling the step.
+            eagerly (None: `EAGER`).
     """
     num_models = len(learning_rates)
     array = hftatf.fuse(model, num_models)
     stock = array.unfuse()
     start = [[np.asarray(w).copy() for w in m.weights] for m in stock]
     if eager is None:
-        eager = BACKEND != "jax"
+        eager = EAGER
     array.compile(hftatf.optimizers.SGD(learning_rates), loss=LOSS,
                   run_eagerly=eager)
     history = array.fit(x, y, batch_size=batch_size, epochs=1,
