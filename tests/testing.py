@@ -12,11 +12,11 @@ BACKEND = keras.backend.backend()
 ATOL = 1e-5
 RTOL = 1e-5
 
-# `jit_compile` for a test that trains for epochs: the quickest compiled
-# step. On TensorFlow a graph without XLA (XLA compiles a zoo model's step
-# slowly on a CPU); on JAX, XLA, the only compiler of a step there
-# (`jit_compile=False` runs each operation eagerly).
-LONG_FIT_JIT = BACKEND == "jax"
+# `jit_compile` for a test's compiled step without XLA where the backend
+# has one: TensorFlow's graph (XLA compiles a zoo model's step slowly on a
+# CPU). JAX compiles a step with XLA only: `jit_compile=False` runs each
+# operation eagerly there, each compiled on its own, which takes longer.
+STEP_JIT = BACKEND == "jax"
 
 # TensorFlow's batched matmuls: oneDNN's on a CPU, and the Eigen kernel
 # `hftatf.layers.backends.tensorflow_ops.batch_matmul` picks for small products.

@@ -4,7 +4,7 @@ arrays against stock models, export, and learning on CPython's docs."""
 import keras
 import numpy as np
 import pytest
-from testing import assert_close
+from testing import STEP_JIT, assert_close
 
 import hftatf
 from hftatf.core.devices import compiling_with_xla
@@ -125,7 +125,7 @@ def test_array_trains_as_stock_models(sizes):
     # SGD: a fused Embedding's dense gradient equals the stock sparse
     # update only for optimizers without per-row state.
     array.compile(hftatf.optimizers.SGD(RATES, momentum=0.9),
-                  loss=masked_lm.masked_lm_loss(), jit_compile=False)
+                  loss=masked_lm.masked_lm_loss(), jit_compile=STEP_JIT)
     history = array.fit(inputs, labels, batch_size=8, epochs=1,
                         shuffle=False, verbose=0)
     for b, reference in enumerate(stock):
@@ -143,7 +143,7 @@ def test_array_trains_as_stock_models(sizes):
 def test_export_round_trip(tmp_path):
     array = hftatf.fuse(small_bert(), 2)
     array.compile(hftatf.optimizers.SGD([0.1, 0.3]),
-                  loss=masked_lm.masked_lm_loss(), jit_compile=False)
+                  loss=masked_lm.masked_lm_loss(), jit_compile=STEP_JIT)
     inputs, labels = mlm_batch(8)
     array.fit(inputs, labels, batch_size=8, epochs=1, verbose=0)
     hftatf.export_models(array, tmp_path, format="keras")

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from testing import assert_close, value_and_gradients
+from testing import STEP_JIT, assert_close, value_and_gradients
 
 import hftatf
 from hftatf.models import dcgan, recipes
@@ -33,7 +33,7 @@ def fused_gan(num_models=B, start=None):
     gan.compile(
         generator_optimizer=hftatf.optimizers.Adam(G_RATES, beta_1=0.5),
         discriminator_optimizer=hftatf.optimizers.SGD(D_RATES, momentum=0.5),
-        jit_compile=False)
+        jit_compile=STEP_JIT)
     return gan
 
 
@@ -149,7 +149,7 @@ def test_fused_gan_trains_as_stock_gans():
         reference = dcgan.GAN(model)
         reference.compile(keras.optimizers.Adam(G_RATES[b], beta_1=0.5),
                           keras.optimizers.SGD(D_RATES[b], momentum=0.5),
-                          jit_compile=False)
+                          jit_compile=STEP_JIT)
         stock_history = reference.fit(
             {"images": x, "noise": noise[:, b]}, batch_size=8, epochs=1,
             shuffle=False, verbose=0)

@@ -4,7 +4,7 @@ stock models, export, recipes, and learning on scikit-learn's digits."""
 import keras
 import numpy as np
 import pytest
-from testing import LONG_FIT_JIT, assert_close, compiled_call
+from testing import STEP_JIT, assert_close, compiled_call
 from zoo_testing import (
     EAGER,
     assert_export_round_trip,
@@ -214,7 +214,7 @@ def test_array_learns_digits():
     array = hftatf.fuse(model, 3)
     array.compile(hftatf.optimizers.Adam([5e-3, 2e-3, 1e-3]),
                   loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"], jit_compile=LONG_FIT_JIT)
+                  metrics=["accuracy"], jit_compile=STEP_JIT)
     # Every model is past 0.9 after 6 epochs (0.95, 0.95, 0.90).
     history = array.fit(train, validation_data=validation, epochs=6,
                         verbose=0)

@@ -5,7 +5,7 @@ of parametric shapes."""
 import keras
 import numpy as np
 import pytest
-from testing import LONG_FIT_JIT, assert_close, compiled_call
+from testing import STEP_JIT, assert_close, compiled_call
 from zoo_testing import (
     EAGER,
     assert_export_round_trip,
@@ -231,7 +231,7 @@ def test_array_learns_shapes():
     array = hftatf.fuse(model, 3)
     array.compile(hftatf.optimizers.Adam([3e-3, 1e-3, 3e-4]),
                   loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"], jit_compile=LONG_FIT_JIT)
+                  metrics=["accuracy"], jit_compile=STEP_JIT)
     # The best model is near 0.78 in epochs 4-6.
     history = array.fit(train, validation_data=validation, epochs=6,
                         verbose=0)

@@ -4,7 +4,7 @@ recipe, and learning on scikit-learn's digits."""
 import keras
 import numpy as np
 import pytest
-from testing import LONG_FIT_JIT, compiled_call
+from testing import STEP_JIT, compiled_call
 from zoo_testing import (
     EAGER,
     assert_export_round_trip,
@@ -137,7 +137,7 @@ def test_array_learns_digits():
     array = hftatf.fuse(model, 3)
     array.compile(hftatf.optimizers.SGD([0.2, 0.1, 0.05], momentum=0.9),
                   loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"], jit_compile=LONG_FIT_JIT)
+                  metrics=["accuracy"], jit_compile=STEP_JIT)
     # The best model is near 0.96 after 6 epochs.
     history = array.fit(train, validation_data=validation, epochs=6,
                         verbose=0)

@@ -5,6 +5,7 @@ import keras
 import numpy as np
 import pytest
 from testing import (
+    STEP_JIT,
     assert_close,
     compare_layer_with_stock,
     randomize_weights,
@@ -140,7 +141,7 @@ def test_array_trains_as_stock_models(norm_first, tie_embeddings):
     # SGD: a fused Embedding's dense gradient equals the stock sparse
     # update only for optimizers without per-row state.
     array.compile(hftatf.optimizers.SGD(RATES, momentum=0.9), loss=loss,
-                  jit_compile=False)
+                  jit_compile=STEP_JIT)
     history = array.fit(ids, targets, batch_size=8, epochs=1, shuffle=False,
                         verbose=0)
     for b, reference in enumerate(stock):
@@ -170,7 +171,7 @@ def test_export_round_trip(tmp_path, tie_embeddings):
     array = hftatf.fuse(small_lm(tie_embeddings=tie_embeddings), 2)
     array.compile(hftatf.optimizers.SGD([0.1, 0.2]),
                   loss=keras.losses.SparseCategoricalCrossentropy(
-                      from_logits=True), jit_compile=False)
+                      from_logits=True), jit_compile=STEP_JIT)
     ids, targets = token_batch(8)
     array.fit(ids, targets, batch_size=8, epochs=1, verbose=0)
     hftatf.export_models(array, tmp_path, format="keras")
