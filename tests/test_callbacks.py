@@ -13,6 +13,7 @@ import os
 import keras
 import numpy as np
 import pytest
+from testing import STEP_JIT
 
 import hftatf
 from hftatf import callbacks
@@ -37,9 +38,9 @@ def data(n=24, seed=0):
 
 
 def make_array(learning_rates=LEARNING_RATES, metrics=("mae",),
-               jit_compile=False):
+               jit_compile=STEP_JIT):
     array = hftatf.fuse(mlp(), B)
-    # XLA would only add compile time to most of these tiny steps.
+    # (On TensorFlow, XLA would only add compile time to these tiny steps.)
     array.compile(hftatf.optimizers.SGD(list(learning_rates)), loss="mse",
                   metrics=list(metrics), jit_compile=jit_compile)
     array.optimizer.build(array.trainable_variables)
@@ -198,7 +199,7 @@ def test_early_stopping_freezes_moving_statistics_too():
         keras.Input((4,)), keras.layers.Dense(8),
         keras.layers.BatchNormalization(), keras.layers.Dense(1)]), B)
     array.compile(hftatf.optimizers.SGD(LEARNING_RATES), loss="mse",
-                  jit_compile=False)
+                  jit_compile=STEP_JIT)
     early = callbacks.EarlyStopping(patience=0)
     trajectory = drive(early, array, [[1.0, 1.0, 1.0], [0.9, 1.1, 0.9],
                                       [0.8, 1.2, 0.8]], x, y)
@@ -418,7 +419,7 @@ def test_learning_rate_scheduler_trains_like_stock_per_model(schedule):
         stock.append(model)
     array = hftatf.fuse_models(stock)
     array.compile(hftatf.optimizers.SGD(list(LEARNING_RATES)), loss="mse",
-                  jit_compile=False)
+                  jit_compile=STEP_JIT)
     per_model = schedule if isinstance(schedule, list) else [schedule] * B
     epochs = 4
     history = array.fit(

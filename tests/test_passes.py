@@ -9,7 +9,7 @@ import os
 import keras
 import numpy as np
 import pytest
-from testing import BACKEND, assert_close
+from testing import BACKEND, STEP_JIT, assert_close
 
 import hftatf
 from hftatf import passes
@@ -137,7 +137,7 @@ def test_diverging_model_in_a_pass_leaves_the_others():
 
 def test_models_per_pass_survives_saving(tmp_path):
     x, y, weights = data()
-    array, _ = trained_array(network, 2, x, y, weights, jit_compile=False)
+    array, _ = trained_array(network, 2, x, y, weights, jit_compile=STEP_JIT)
     path = tmp_path / "array.keras"
     array.save(path)
     loaded = keras.models.load_model(path)

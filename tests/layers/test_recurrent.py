@@ -11,6 +11,7 @@ import keras
 import numpy as np
 import pytest
 from testing import (
+    STEP_JIT,
     assert_close,
     compare_layer_with_stock,
     randomize_weights,
@@ -715,7 +716,7 @@ def test_rnn_of_a_stock_cell_trains_and_unfuses():
     array = hftatf.fuse_models(stock)
     rates = [0.1, 0.03]
     array.compile(hftatf.optimizers.SGD(rates), loss="mse",
-                  jit_compile=False)
+                  jit_compile=STEP_JIT)
     x = rng.standard_normal((8, STEPS, FEATURES)).astype("float32")
     x[:3, -1] = 0.0  # masked last steps
     y = rng.standard_normal((8, 1)).astype("float32")

@@ -16,6 +16,7 @@ import pytest
 from backend_steps import apply_stock, apply_stock_per_model, compiled
 from keras import ops
 from testing import (
+    STEP_JIT,
     assert_close,
     assert_slices_match,
     per_model_arrays,
@@ -477,7 +478,7 @@ def test_a_forward_overflow_is_skipped_as_stock_keras_skips_it(
     stock = array.unfuse()
     initial = [model.get_weights() for model in stock]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    array.compile(optimizers.SGD(0.1), loss=loss, jit_compile=False)
+    array.compile(optimizers.SGD(0.1), loss=loss, jit_compile=STEP_JIT)
     array.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     assert not array.diverged_models.any()
     for b, model in enumerate(stock):
@@ -509,7 +510,7 @@ def test_a_model_still_overflowing_below_a_scale_of_one_is_frozen(
     before = array.get_model_weights(1)
     array.compile(optimizers.LossScaleOptimizer(optimizers.SGD(0.1),
                                                 initial_scale=2.0),
-                  loss="mse", jit_compile=False)
+                  loss="mse", jit_compile=STEP_JIT)
     array.fit(x, keras.ops.one_hot(y, 3), batch_size=8, epochs=1,
               shuffle=False, verbose=0)
     np.testing.assert_array_equal(array.diverged_models, [False, True, False])

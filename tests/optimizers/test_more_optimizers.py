@@ -14,6 +14,7 @@ import pytest
 from backend_steps import compiled
 from keras import ops
 from testing import (
+    STEP_JIT,
     apply_per_model,
     assert_close,
     assert_slices_match,
@@ -525,7 +526,7 @@ def test_fit_matches_stock_models(name):
     # the compiled update is checked by
     # test_matches_stock_inside_xla_compiled_function.
     array.compile(getattr(optimizers, name)(**values, **flags),
-                  loss="sparse_categorical_crossentropy", jit_compile=False)
+                  loss="sparse_categorical_crossentropy", jit_compile=STEP_JIT)
     # 32 samples / batch 8: 4 steps.
     history = array.fit(x, y, batch_size=8, epochs=1, shuffle=False,
                         verbose=0)
@@ -563,7 +564,7 @@ def test_muon_decides_its_rule_on_the_stock_variables():
     y = rng.normal(size=(16, 2)).astype("float32")
     rates = [0.02, 0.005, 0.05]
     array.compile(optimizers.Muon(rates, exclude_layers=["skip_me"]),
-                  loss="mse", jit_compile=False)
+                  loss="mse", jit_compile=STEP_JIT)
     array.optimizer.build(array.trainable_variables)
     assert [array.optimizer.uses_adam(v) for v in array.trainable_variables
             ] == [True, True, True, True, False, True]

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 import pytest
 from backend_steps import apply_stock
-from testing import assert_close
+from testing import STEP_JIT, assert_close
 
 import hftatf
 from hftatf import optimizers
@@ -42,7 +42,7 @@ def fit(model_, x, y, epochs=1):
 
 def trained_array(optimizer, epochs=1, **compile_kwargs):
     array = hftatf.fuse(model(), num_models=B)
-    array.compile(optimizer=optimizer, loss=LOSS, jit_compile=False,
+    array.compile(optimizer=optimizer, loss=LOSS, jit_compile=STEP_JIT,
                   **compile_kwargs)
     fit(array, *data(), epochs=epochs)
     return array
@@ -172,7 +172,7 @@ def test_current_hyperparameters_and_per_model_steps():
 def test_weight_decay_exclusions_carry_over():
     optimizer = optimizers.AdamW(0.02, weight_decay=0.5)
     array = hftatf.fuse(model(), num_models=B)
-    array.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    array.compile(optimizer=optimizer, loss=LOSS, jit_compile=STEP_JIT)
     array.build((None, 5))
     kernel = array.get_layer("hidden").kernel
     optimizer.exclude_from_weight_decay(var_list=[kernel], var_names=["bias"])
@@ -187,7 +187,7 @@ def test_an_exclusion_pattern_may_name_a_layer():
     stock = array.unfuse(compile=False)
     optimizer = optimizers.SGD(0.1, weight_decay=[0.5, 0.3])
     optimizer.exclude_from_weight_decay(var_names=["logits"])
-    array.compile(optimizer=optimizer, loss=LOSS, jit_compile=False)
+    array.compile(optimizer=optimizer, loss=LOSS, jit_compile=STEP_JIT)
     fit(array, *data())
     for b, twin in enumerate(stock):
         stock_optimizer = keras.optimizers.SGD(0.1,
