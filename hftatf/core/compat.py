@@ -559,3 +559,22 @@ def tensorflow_random_ops_util():
     return random_ops_util
 
 
+
+
+def vectorize_bitcast():
+    """Lets `tf.vectorized_map` vectorize `tf.bitcast`, which has no
+    converter of its own in TensorFlow's `parallel_for` (checked on
+    TensorFlow 2.21) and which Keras's `ops.argmax` of floats reaches
+    through `signbit` (the accuracy metrics). A bitcast changes at most
+    the last axis, so the stacked input's bitcast is every model's.
+    `parallel_for` has no public registry; registers once."""
+    import tensorflow as tf
+    from tensorflow.python.ops.parallel_for import pfor
+
+    if "Bitcast" in pfor._pfor_converter_registry:
+        return
+
+    @pfor.RegisterPFor("Bitcast")
+    def _convert_bitcast(pfor_input):
+        return pfor.wrap(tf.bitcast(pfor_input.stacked_input(0),
+                                    pfor_input.get_attr("type")), True)

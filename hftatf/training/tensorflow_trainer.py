@@ -33,6 +33,9 @@ A backend trainer provides:
   pick passes.
 * `_uses_replica_jit(jit_compile, run_eagerly)`: whether each replica's
   forward and backward pass is compiled on its own (see `compile`).
+* `_vectorized_map(function, elements)`: one model's compiled loss or
+  metrics mapped over the models (`hftatf.training.losses`), or None
+  where the backend cannot vectorize them.
 
 Sparse gradients (`tf.IndexedSlices` of embeddings, `hftatf.sparse`) are
 TensorFlow's; a JAX trainer has dense ones only.
@@ -148,6 +151,23 @@ class TensorFlowTrainer:
         """`_training_value` of each of `variables`, kept from the steps
         that follow."""
         return [ops.copy(variable.value) for variable in variables]
+
+    def _vectorized_map(self, function, elements):
+        """`tf.vectorized_map`, None where an op of `function` has no
+        vectorized form: its fallback, a `tf.while_loop` over the models,
+        would be slower than the per-model objects. None outside a traced
+        step too (the logs at the end of an epoch): there each call would
+        trace a function of its own."""
+        if tf.executing_eagerly():
+            return None
+        compat.vectorize_bitcast()
+        try:
+            return tf.vectorized_map(function, elements,
+                                     fallback_to_while_loop=False)
+        except ValueError as error:
+            logging.info("Per-model losses and metrics are computed one "
+                         "model after the other: %s", error)
+            return None
 
     def _distributed(self):
         """Whether the array trains under a `tf.distribute` strategy."""
