@@ -153,17 +153,16 @@ class TensorFlowTrainer:
         return [ops.copy(variable.value) for variable in variables]
 
     def _vectorized_map(self, function, elements):
-        """`tf.vectorized_map`, None where an op of `function` has no
-        vectorized form: its fallback, a `tf.while_loop` over the models,
-        would be slower than the per-model objects. None outside a traced
-        step too (the logs at the end of an epoch): there each call would
-        trace a function of its own."""
+        """`tf.vectorized_map` (`compat.tensorflow_vectorized_map`: built
+        inline, so that XLA compiles the step once), None where an op of
+        `function` has no vectorized form: its fallback, a `tf.while_loop`
+        over the models, would be slower than the per-model objects. None
+        outside a traced step too (the logs at the end of an epoch): there
+        each call would trace a function of its own."""
         if tf.executing_eagerly():
             return None
-        compat.vectorize_bitcast()
         try:
-            return tf.vectorized_map(function, elements,
-                                     fallback_to_while_loop=False)
+            return compat.tensorflow_vectorized_map(function, elements)
         except ValueError as error:
             logging.info("Per-model losses and metrics are computed one "
                          "model after the other: %s", error)
