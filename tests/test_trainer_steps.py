@@ -414,3 +414,26 @@ def test_the_traced_step_does_not_grow_model_by_model():
 
     small, large = size(4), size(64)
     assert (large - small) / 60 <= 12, (small, large)
+
+
+@pytest.mark.backends("tensorflow", reason=(
+    "how TensorFlow's vectorized loops meet XLA; JAX's vmap is inline"))
+def test_the_mapped_losses_are_inline_in_the_compiled_step():
+    # Under XLA, `tf.vectorized_map` builds its loop as a function call,
+    # whose gradient made XLA take the step's batch and weights as
+    # compile-time constants: the step was compiled anew at every batch
+    # (BERT's masked-LM array then aborted after minutes).
+    import tensorflow as tf
+
+    x, y = data()[:2]
+    x, y = x[:BATCH], y[:BATCH]
+    array = hftatf.fuse(classifier(), B)
+    array.compile(optimizer=hftatf.optimizers.Adam(1e-3), loss=LOSS,
+                  metrics=["accuracy"], jit_compile=True)
+    array.fit(x, y, batch_size=BATCH, verbose=0)
+    step = tf.function(lambda x, y: array.train_step((x, y)),
+                       jit_compile=True)
+    graph = step.get_concrete_function(x, y).graph
+    calls = [op.name for op in graph.get_operations()
+             if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+    assert not calls, calls
