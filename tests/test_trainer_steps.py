@@ -370,11 +370,8 @@ def traced_step_size(array, x, y):
     if keras.backend.backend() == "jax":
         import jax
 
-        state = ([v.value for v in array.trainable_variables],
-                 [v.value for v in array.non_trainable_variables],
-                 [v.value for v in array.optimizer.variables],
-                 [v.value for v in array.metrics_variables])
-        program = jax.make_jaxpr(array.train_step)(state, (x, y))
+        program = jax.make_jaxpr(array.train_step)(jax_state(array),
+                                                   (x, y))
         return _equations(program.jaxpr)
     import tensorflow as tf
 
@@ -437,3 +434,43 @@ def test_the_mapped_losses_are_inline_in_the_compiled_step():
     calls = [op.name for op in graph.get_operations()
              if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
     assert not calls, calls
+
+
+def test_the_traced_step_returns_one_entry_per_log_whatever_b():
+    # The logs of each model are split from one `[B]` entry on the host:
+    # TensorFlow's graph optimizer walks a step's outputs one by one.
+    x, y = data()[:2]
+    x, y = x[:BATCH], y[:BATCH]
+
+    def entries(num_models):
+        array = hftatf.fuse(classifier(), num_models)
+        array.compile(optimizer=hftatf.optimizers.Adam(1e-3), loss=LOSS,
+                      metrics=["accuracy"])
+        history = array.fit(x, y, batch_size=len(x), verbose=0).history
+        assert sorted(history) == sorted(
+            [*(f"{name}_{b}" for name in ("loss", "accuracy")
+               for b in range(num_models)), "loss", "accuracy"])
+        return sorted(traced_step_logs(array, x, y))
+
+    assert entries(4) == entries(32)
+
+
+def traced_step_logs(array, x, y):
+    """The logs the array's training step returns, traced."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.eval_shape(array.train_step, jax_state(array),
+                              (x, y))[0]
+    import tensorflow as tf
+
+    step = tf.function(lambda x, y: array.train_step((x, y)))
+    return step.get_concrete_function(x, y).structured_outputs
+
+
+def jax_state(array):
+    """The array's four state lists, as the JAX trainer's step takes them."""
+    return ([v.value for v in array.trainable_variables],
+            [v.value for v in array.non_trainable_variables],
+            [v.value for v in array.optimizer.variables],
+            [v.value for v in array.metrics_variables])

@@ -30,6 +30,7 @@ from keras import ops
 
 from hftatf import passes
 from hftatf.core.axis import concat_models, take_models
+from hftatf.core.logs import expand_model_logs
 from hftatf.distribution import check_distribution
 from hftatf.training.losses import current_values
 
@@ -92,19 +93,22 @@ class JAXTrainer:
         raises (a batch the array refuses), first gives the variables
         their values back: Keras takes them out of the variables while
         steps run, and `evaluate`, or a step that fails before the first
-        returns, would leave them empty."""
+        returns, would leave them empty. Its logs give each model's value
+        of a per-model quantity as `name_b`: the traced step returns them
+        as one `[B]` entry (`get_metrics_result`)."""
         if getattr(function, "keeps_variables", False):
             return function
 
         def step(state, iterator):
             try:
-                return function(state, iterator)
+                outputs, state = function(state, iterator)
             except Exception:
                 if not getattr(self, "_jax_state", None):
                     self._jax_state = dict(zip(names, state))
                     self._jax_state_synced = False
                 self.jax_state_sync()
                 raise
+            return expand_model_logs(outputs, self._model_values), state
 
         step.keeps_variables = True
         return step
@@ -120,9 +124,13 @@ class JAXTrainer:
     def _model_values(self, vector):
         """The `B` entries of `vector`: outside a traced step, read as
         NumPy values (eager slices would each compile a program)."""
-        if isinstance(vector, jax.core.Tracer):
+        if self._traced(vector):
             return list(ops.unstack(vector))
         return list(np.asarray(vector))
+
+    def _traced(self, tensor):
+        """Whether `tensor` is a value of a step being traced."""
+        return isinstance(tensor, jax.core.Tracer)
 
     def _training_value(self, variable):
         """The value of the metric variable `variable`: inside `fit`, where

@@ -19,7 +19,12 @@ from hftatf.core.compat import (
     scale_loss_for_distribution,
     unscale_loss_for_distribution,
 )
-from hftatf.core.logs import check_log_names, model_log_name, per_model_mean
+from hftatf.core.logs import (
+    check_log_names,
+    model_log_name,
+    models_log_name,
+    per_model_mean,
+)
 from hftatf.layers import backends
 
 
@@ -258,31 +263,35 @@ class PerModelLosses:
 
     def _model_metric_results(self):
         """Each model's compiled metric results (a dict by name per
-        model): one model's `result` mapped over the stacked variables
-        where the models' metrics are alike, so that the step's program
-        does not compute them model by model."""
-        groups = self._model_metrics or []
-        if self._metrics_alike():
-            variables = groups[0].variables
+        model)."""
+        mapped = self._mapped_metric_results()
+        if mapped is None:
+            return [group.result() for group in self._model_metrics or []]
+        mapped = {name: ops.unstack(value) for name, value in mapped.items()}
+        return [{name: values[index] for name, values in mapped.items()}
+                for index in range(self.num_models)]
 
-            def result(values):
-                with keras.StatelessScope(
-                        state_mapping=list(zip(variables, values))):
-                    # A result may be the metric's own variable (the
-                    # counts of `TruePositives(thresholds=[...])`).
-                    return {name: value.value if isinstance(
-                        value, keras.Variable) else value for name, value
-                        in groups[0].result().items()}
+    def _mapped_metric_results(self):
+        """The models' compiled metric results stacked over the models
+        (`{name: [B, ...]}`): one model's `result` mapped over the stacked
+        variables, so that the step's program does not compute them model
+        by model; None where the models' metrics are not alike or the
+        backend does not map them."""
+        if not self._metrics_alike():
+            return None
+        groups = self._model_metrics
+        variables = groups[0].variables
 
-            mapped = self._vectorized_map(result,
-                                          self._stacked_metric_values())
-            if mapped is not None:
-                mapped = {name: ops.unstack(value)
-                          for name, value in mapped.items()}
-                return [{name: values[index]
-                         for name, values in mapped.items()}
-                        for index in range(self.num_models)]
-        return [group.result() for group in groups]
+        def result(values):
+            with keras.StatelessScope(
+                    state_mapping=list(zip(variables, values))):
+                # A result may be the metric's own variable (the counts of
+                # `TruePositives(thresholds=[...])`).
+                return {name: value.value if isinstance(
+                    value, keras.Variable) else value for name, value
+                    in groups[0].result().items()}
+
+        return self._vectorized_map(result, self._stacked_metric_values())
 
     def _build_alike(self, objects, index, y, y_pred, sample_weight):
         """Builds those of `objects` (the models' `CompileMetrics`) not
@@ -409,34 +418,66 @@ class PerModelLosses:
         return metrics
 
     def get_metrics_result(self):
-        """Logs: each per-model value as `name_b`, and their mean as `name`."""
+        """Logs: each per-model value as `name_b`, and their mean as `name`.
+        Inside a traced step, each per-model quantity is one `[B, ...]`
+        entry (`models_log_name`) instead of the `name_b`, which the step
+        function splits on the host (`expand_model_logs`): TensorFlow's
+        graph optimizer walks a step's outputs one by one, for seconds
+        at `B` in the hundreds."""
         if self._model_loss_tracker is None:
             return super().get_metrics_result()
-        per_model = {"loss": self._model_values(
-            self._model_loss_tracker.result())}
-        results = self._model_metric_results() + [
-            {m.name: m.result() for m in group.metrics}
-            for group in self._model_losses or ()]
+        loss = self._model_loss_tracker.result()
+        per_model = (self._stacked_results(loss) if self._traced(loss)
+                     else self._results_by_model(loss))
+        check_log_names(per_model, self.num_models)
+        logs = {}
+        for name, values in per_model.items():
+            if isinstance(values, list):
+                # A metric may give a vector per model (F1Score per class).
+                logs[name] = per_model_mean(ops.stack(values),
+                                            self._status.diverged)
+                for index, value in enumerate(values):
+                    logs[model_log_name(name, index)] = value
+            else:
+                logs[name] = per_model_mean(values, self._status.diverged)
+                logs[models_log_name(name)] = values
+        for metric in self._user_metrics():
+            logs[metric.name] = metric.result()
+        return logs
+
+    def _results_by_model(self, loss):
+        """`{name: [each model's value]}` of every per-model log."""
+        per_model = {"loss": self._model_values(loss)}
+        results = self._model_metric_results() + self._model_loss_results()
         for index, model_results in enumerate(results):
             index %= self.num_models
             for name, value in model_results.items():
                 per_model.setdefault(name, [None] * self.num_models)
-                # A result may be the metric's own variable (the counts of
-                # `TruePositives(thresholds=[...])`).
-                if isinstance(value, keras.Variable):
-                    value = value.value
-                per_model[name][index] = ops.convert_to_tensor(value)
-        check_log_names(per_model, self.num_models)
-        logs = {}
-        for name, values in per_model.items():
-            # A metric may give a vector per model (F1Score per class).
-            logs[name] = per_model_mean(ops.stack(values),
-                                        self._status.diverged)
-            for index, value in enumerate(values):
-                logs[model_log_name(name, index)] = value
-        for metric in self._user_metrics():
-            logs[metric.name] = metric.result()
-        return logs
+                per_model[name][index] = _tensor(value)
+        return per_model
+
+    def _stacked_results(self, loss):
+        """`{name: [B, ...] values}` of every per-model log."""
+        per_model = {"loss": loss}
+        mapped = self._mapped_metric_results()
+        results = self._model_loss_results()
+        if mapped is None:
+            results = self._model_metric_results() + results
+        else:
+            per_model.update(mapped)
+        by_name = {}
+        for model_results in results:
+            for name, value in model_results.items():
+                by_name.setdefault(name, []).append(_tensor(value))
+        for name, values in by_name.items():
+            per_model[name] = ops.stack(values)
+        return per_model
+
+    def _model_loss_results(self):
+        """The results of each model's compiled loss's trackers (one per
+        output of several), a dict by name per model."""
+        return [{m.name: m.result() for m in group.metrics}
+                for group in self._model_losses or ()]
 
     def _flatten_metrics_in_order(self, logs):
         """`logs` as the list `evaluate` and `*_on_batch` return without
@@ -467,3 +508,11 @@ class PerModelLosses:
         own.update(id(m) for m in self._model_metrics or ())
         own.update(id(m) for m in self._model_losses or ())
         return [m for m in compat.tracked_metrics(self) if id(m) not in own]
+
+
+def _tensor(value):
+    """A metric's result as a tensor: a result may be the metric's own
+    variable (the counts of `TruePositives(thresholds=[...])`)."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    return ops.convert_to_tensor(value)
