@@ -362,6 +362,19 @@ def test_auto_jit_compile_on_jax_compiles_every_step(layer):
     assert array.jit_compile is True and model.jit_compile is True
 
 
+def one_batch():
+    x, y = data()[:2]
+    return x[:BATCH], y[:BATCH]
+
+
+def accuracy_array(num_models, **compile_kwargs):
+    """The classifier's array compiled with Adam, its loss and accuracy."""
+    array = hftatf.fuse(classifier(), num_models)
+    array.compile(optimizer=hftatf.optimizers.Adam(1e-3), loss=LOSS,
+                  metrics=["accuracy"], **compile_kwargs)
+    return array
+
+
 def traced_step_size(array, x, y):
     """How many operations the array's training step traces to: the
     operations of TensorFlow's graph, or the equations of JAX's program
@@ -400,14 +413,11 @@ def test_the_traced_step_does_not_grow_model_by_model():
     # per model: what still grows with B is the models' own metric
     # variables and log entries (a handful of operations each; a loss and
     # an accuracy traced model by model took about 60).
-    x, y = data()[:2]
-    x, y = x[:BATCH], y[:BATCH]
+    x, y = one_batch()
 
     def size(num_models):
-        array = hftatf.fuse(classifier(), num_models)
-        array.compile(optimizer=hftatf.optimizers.Adam(1e-3), loss=LOSS,
-                      metrics=["accuracy"], jit_compile=False)
-        return traced_step_size(array, x, y)
+        return traced_step_size(
+            accuracy_array(num_models, jit_compile=False), x, y)
 
     small, large = size(4), size(64)
     assert (large - small) / 60 <= 12, (small, large)
@@ -422,11 +432,8 @@ def test_the_mapped_losses_are_inline_in_the_compiled_step():
     # (BERT's masked-LM array then aborted after minutes).
     import tensorflow as tf
 
-    x, y = data()[:2]
-    x, y = x[:BATCH], y[:BATCH]
-    array = hftatf.fuse(classifier(), B)
-    array.compile(optimizer=hftatf.optimizers.Adam(1e-3), loss=LOSS,
-                  metrics=["accuracy"], jit_compile=True)
+    x, y = one_batch()
+    array = accuracy_array(B, jit_compile=True)
     array.fit(x, y, batch_size=BATCH, verbose=0)
     step = tf.function(lambda x, y: array.train_step((x, y)),
                        jit_compile=True)
@@ -439,13 +446,10 @@ def test_the_mapped_losses_are_inline_in_the_compiled_step():
 def test_the_traced_step_returns_one_entry_per_log_whatever_b():
     # The logs of each model are split from one `[B]` entry on the host:
     # TensorFlow's graph optimizer walks a step's outputs one by one.
-    x, y = data()[:2]
-    x, y = x[:BATCH], y[:BATCH]
+    x, y = one_batch()
 
     def entries(num_models):
-        array = hftatf.fuse(classifier(), num_models)
-        array.compile(optimizer=hftatf.optimizers.Adam(1e-3), loss=LOSS,
-                      metrics=["accuracy"])
+        array = accuracy_array(num_models)
         history = array.fit(x, y, batch_size=len(x), verbose=0).history
         assert sorted(history) == sorted(
             [*(f"{name}_{b}" for name in ("loss", "accuracy")

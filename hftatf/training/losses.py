@@ -185,8 +185,14 @@ class PerModelLosses:
         loss): one model's compiled loss mapped over the models
         (`_map_models`) where it holds no state (per-output trackers)."""
         template = self._model_losses[0] if self._model_losses else None
-        if (template is not None and template.built and not template.metrics
-                and len(indices) > 1 and without_masks(y_pred)):
+        mappable = (template is not None and len(indices) > 1
+                    and without_masks(y_pred))
+        if mappable and len(keras.tree.flatten(y_pred)) == 1:
+            # Built first, so that a first step does not trace each model's
+            # (one of several outputs keeps a tracker: not mapped).
+            self._build_alike([template], indices[0], y, y_pred,
+                              sample_weight)
+        if mappable and template.built and not template.metrics:
             losses = self._map_models(
                 lambda labels, pred, weights: template(labels, pred, weights),
                 indices, y, y_pred, sample_weight, training)
@@ -294,8 +300,8 @@ class PerModelLosses:
         return self._vectorized_map(result, self._stacked_metric_values())
 
     def _build_alike(self, objects, index, y, y_pred, sample_weight):
-        """Builds those of `objects` (the models' `CompileMetrics`) not
-        built yet on the shapes and dtypes of the
+        """Builds those of `objects` (the models' `CompileMetrics` or
+        `CompileLoss`) not built yet on the shapes and dtypes of the
         targets of the model `index` (the first of `y_pred`), which all
         models share: the first update then need not trace each model's,
         and the metrics' variables are made outside the traced step
@@ -307,8 +313,9 @@ class PerModelLosses:
         pred = keras.tree.map_structure(lambda t: t[:, 0], y_pred)
         labels, pred, _ = self._model_targets(y, y_pred, sample_weight, index,
                                               pred)
+        # An output without a loss may have no labels (None).
         labels, pred = keras.tree.map_structure(
-            lambda t: keras.KerasTensor(
+            lambda t: None if t is None else keras.KerasTensor(
                 t.shape, keras.backend.standardize_dtype(t.dtype)),
             (labels, pred))
         with backends.init_scope():
