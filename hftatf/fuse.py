@@ -12,7 +12,7 @@ import numpy as np
 
 from hftatf.core import hooks
 from hftatf.core.compat import compile_config
-from hftatf.core.devices import runs_on_accelerator
+from hftatf.core.devices import available_memory, runs_on_accelerator
 from hftatf.core.validation import check_backend, check_num_models
 from hftatf.graph import (
     architecture_difference,
@@ -88,6 +88,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         layout = ("batch_first" if num_models == 1 or runs_on_accelerator()
                   else "models_first")
     _check_fusable(model)
+    check_memory(model, num_models)
     if model_class is FusedModel:
         check_no_custom_steps(model)
     structure = input_structure(model)
@@ -161,6 +162,44 @@ def _shared_inputs(shared_inputs, inputs, model):
             f"False: one batch per model). Received: "
             f"shared_inputs={shared_inputs!r}.")
     return [bool(v) for v in values]
+
+
+# Copies of a trainable weight that training holds: the weight, its
+# gradient and the two slots of Adam (the optimizers' most common state).
+_TRAINING_COPIES = 4
+
+
+def array_memory(model, num_models):
+    """The bytes an array of `num_models` copies of `model` holds while it
+    trains, at least: each weight, and for each trainable one its gradient
+    and two optimizer slots (activations, which depend on the batch, come
+    on top)."""
+    total = 0
+    for weight in model.weights:
+        copies = _TRAINING_COPIES if weight.trainable else 1
+        total += (copies * int(np.prod(weight.shape))
+                  * np.dtype(keras.backend.standardize_dtype(
+                      weight.dtype)).itemsize)
+    return total * num_models
+
+
+def check_memory(model, num_models):
+    """Refuses an array whose weights, gradients and optimizer slots
+    (`array_memory`) exceed the memory still available where it trains
+    (`available_memory`), before anything of it is built."""
+    available = available_memory()
+    needed = array_memory(model, num_models)
+    if available is None or needed <= available:
+        return
+    per_model = needed / num_models
+    raise ValueError(
+        f"An array of num_models={num_models} copies of model "
+        f"'{model.name}' ({model.count_params()} parameters each) needs "
+        f"about {needed / 2**30:.1f} GiB for its weights, gradients and "
+        f"optimizer slots, but {available / 2**30:.1f} GiB are available. "
+        f"Use at most num_models={max(int(available // per_model), 1)}, "
+        "or split the sweep into several arrays trained one after "
+        "another, or use a device with more memory.")
 
 
 def _check_fusable(model):

@@ -241,6 +241,16 @@ def test_num_models_not_an_integer_is_refused():
         hftatf.fuse(mlp(), 2.0)
 
 
+def test_an_array_beyond_the_memory_is_refused_before_it_is_built():
+    # 10**9 models of 66 parameters: about 1 TB of weights, gradients and
+    # Adam's slots, more than any machine that runs these tests (building
+    # that many would run for hours).
+    with pytest.raises(ValueError, match=(
+            r"num_models=1000000000 .*66 parameters.*GiB.*available.*"
+            r"Use at most num_models=\d+")):
+        hftatf.fuse(mlp(), 10**9)
+
+
 def test_subclassed_model_is_refused():
     class Subclassed(keras.Model):
         # An argument of its own and no `get_config`.

@@ -360,3 +360,121 @@ def test_auto_jit_compile_on_jax_compiles_every_step(layer):
     array.compile("sgd", loss="mse", jit_compile="auto")
     model.compile("sgd", loss="mse", jit_compile="auto")
     assert array.jit_compile is True and model.jit_compile is True
+
+
+def one_batch():
+    x, y = data()[:2]
+    return x[:BATCH], y[:BATCH]
+
+
+def accuracy_array(num_models, **compile_kwargs):
+    """The classifier's array compiled with Adam, its loss and accuracy."""
+    array = hftatf.fuse(classifier(), num_models)
+    array.compile(optimizer=hftatf.optimizers.Adam(1e-3), loss=LOSS,
+                  metrics=["accuracy"], **compile_kwargs)
+    return array
+
+
+def traced_step_size(array, x, y):
+    """How many operations the array's training step traces to: the
+    operations of TensorFlow's graph, or the equations of JAX's program
+    (those of the programs it nests included)."""
+    array.fit(x, y, batch_size=len(x), verbose=0)  # Builds every state.
+    if keras.backend.backend() == "jax":
+        import jax
+
+        program = jax.make_jaxpr(array.train_step)(jax_state(array),
+                                                   (x, y))
+        return _equations(program.jaxpr)
+    import tensorflow as tf
+
+    step = tf.function(lambda x, y: array.train_step((x, y)))
+    return len(step.get_concrete_function(x, y).graph.get_operations())
+
+
+def _equations(jaxpr):
+    from jax.extend import core
+
+    count = 0
+    for equation in jaxpr.eqns:
+        count += 1
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else [
+                    value]:
+                if isinstance(inner, core.ClosedJaxpr):
+                    count += _equations(inner.jaxpr)
+                elif isinstance(inner, core.Jaxpr):
+                    count += _equations(inner)
+    return count
+
+
+def test_the_traced_step_does_not_grow_model_by_model():
+    # Each model's loss and accuracy are one mapped computation, not one
+    # per model: what still grows with B is the models' own metric
+    # variables and log entries (a handful of operations each; a loss and
+    # an accuracy traced model by model took about 60).
+    x, y = one_batch()
+
+    def size(num_models):
+        return traced_step_size(
+            accuracy_array(num_models, jit_compile=False), x, y)
+
+    small, large = size(4), size(64)
+    assert (large - small) / 60 <= 12, (small, large)
+
+
+@pytest.mark.backends("tensorflow", reason=(
+    "how TensorFlow's vectorized loops meet XLA; JAX's vmap is inline"))
+def test_the_mapped_losses_are_inline_in_the_compiled_step():
+    # Under XLA, `tf.vectorized_map` builds its loop as a function call,
+    # whose gradient made XLA take the step's batch and weights as
+    # compile-time constants: the step was compiled anew at every batch
+    # (BERT's masked-LM array then aborted after minutes).
+    import tensorflow as tf
+
+    x, y = one_batch()
+    array = accuracy_array(B, jit_compile=True)
+    array.fit(x, y, batch_size=BATCH, verbose=0)
+    step = tf.function(lambda x, y: array.train_step((x, y)),
+                       jit_compile=True)
+    graph = step.get_concrete_function(x, y).graph
+    calls = [op.name for op in graph.get_operations()
+             if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+    assert not calls, calls
+
+
+def test_the_traced_step_returns_one_entry_per_log_whatever_b():
+    # The logs of each model are split from one `[B]` entry on the host:
+    # TensorFlow's graph optimizer walks a step's outputs one by one.
+    x, y = one_batch()
+
+    def entries(num_models):
+        array = accuracy_array(num_models)
+        history = array.fit(x, y, batch_size=len(x), verbose=0).history
+        assert sorted(history) == sorted(
+            [*(f"{name}_{b}" for name in ("loss", "accuracy")
+               for b in range(num_models)), "loss", "accuracy"])
+        return sorted(traced_step_logs(array, x, y))
+
+    assert entries(4) == entries(32)
+
+
+def traced_step_logs(array, x, y):
+    """The logs the array's training step returns, traced."""
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.eval_shape(array.train_step, jax_state(array),
+                              (x, y))[0]
+    import tensorflow as tf
+
+    step = tf.function(lambda x, y: array.train_step((x, y)))
+    return step.get_concrete_function(x, y).structured_outputs
+
+
+def jax_state(array):
+    """The array's four state lists, as the JAX trainer's step takes them."""
+    return ([v.value for v in array.trainable_variables],
+            [v.value for v in array.non_trainable_variables],
+            [v.value for v in array.optimizer.variables],
+            [v.value for v in array.metrics_variables])

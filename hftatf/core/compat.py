@@ -559,3 +559,31 @@ def tensorflow_random_ops_util():
     return random_ops_util
 
 
+def tensorflow_vectorized_map(function, elements):
+    """`tf.vectorized_map(function, elements, fallback_to_while_loop=False)`
+    built inline in the graph being traced: under XLA `tf.vectorized_map`
+    builds its loop as a function of its own, whose gradient takes the
+    loop's reduction axes as arguments, which XLA needs as constants; XLA
+    then makes every input of the loop (the batch, the weights) a
+    compile-time constant and compiles the step anew at every batch, until
+    the process runs out of memory. `parallel_for` has no public way to
+    build inline, nor a public registry: `Bitcast`, which Keras's
+    `ops.argmax` of floats reaches through `signbit`, has no converter in
+    TensorFlow 2.21 (a bitcast changes at most the last axis, so the
+    stacked input's is every model's)."""
+    import tensorflow as tf
+    from tensorflow.python.ops.parallel_for import control_flow_ops, pfor
+
+    if "Bitcast" not in pfor._pfor_converter_registry:
+
+        @pfor.RegisterPFor("Bitcast")
+        def _convert_bitcast(pfor_input):
+            return pfor.wrap(tf.bitcast(pfor_input.stacked_input(0),
+                                        pfor_input.get_attr("type")), True)
+
+    elements = tf.nest.map_structure(tf.convert_to_tensor, elements)
+    size = max(t.shape[0] for t in tf.nest.flatten(elements))
+    return control_flow_ops._pfor_impl(
+        lambda i: function(tf.nest.map_structure(lambda t: tf.gather(t, i),
+                                                 elements)),
+        size, fallback_to_while_loop=False)

@@ -6,6 +6,7 @@ TensorFlow from its strategy, device scopes and graph; on JAX, where XLA
 compiles every computation, from JAX's default backend.
 """
 
+import os
 import sys
 
 import keras
@@ -138,3 +139,37 @@ def is_out_of_memory(error):
     if tf is not None and isinstance(error, tf.errors.ResourceExhaustedError):
         return True
     return "RESOURCE_EXHAUSTED" in str(error)
+
+
+def available_memory():
+    """The bytes an array may still take where it trains, or None where
+    the backend does not say: on JAX, the default device's limit less what
+    it holds (an accelerator's, or the host's on a CPU); on TensorFlow,
+    the host's on a machine without a GPU or TPU (TensorFlow reports no
+    accelerator's limit)."""
+    backend = _backend()
+    if backend == "jax":
+        import jax  # The JAX backend has it imported.
+
+        stats = jax.devices()[0].memory_stats() or {}
+        if "bytes_limit" in stats:
+            return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    elif has_accelerator():
+        return None
+    return _host_available_memory()
+
+
+def _host_available_memory():
+    """The host's available bytes (`MemAvailable` on Linux: free memory
+    and the caches the kernel can drop), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None

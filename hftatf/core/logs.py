@@ -23,6 +23,38 @@ def model_log_name(name, index):
     return f"{name}_{index}"
 
 
+# What marks the entry of a traced step's logs that holds a per-model
+# quantity's values of all models (`[B, ...]`).
+_MODELS_SUFFIX = "/models"
+
+
+def models_log_name(name):
+    """The entry of a traced step's logs holding the `[B, ...]` values of
+    per-model quantity `name`, which `expand_model_logs` splits into the
+    `name_b` entries."""
+    return f"{name}{_MODELS_SUFFIX}"
+
+
+def expand_model_logs(logs, model_values):
+    """`logs` of a step (a dict) with each `models_log_name(name)` entry
+    replaced by the `name_b` entries, from `model_values(values)` (the `B`
+    entries of the entry's values), where it was; other logs as they are."""
+    def marked(key):
+        return isinstance(key, str) and key.endswith(_MODELS_SUFFIX)
+
+    if not isinstance(logs, dict) or not any(marked(key) for key in logs):
+        return logs
+    expanded = {}
+    for key, value in logs.items():
+        if not marked(key):
+            expanded[key] = value
+            continue
+        name = key[:-len(_MODELS_SUFFIX)]
+        for index, model_value in enumerate(model_values(value)):
+            expanded[model_log_name(name, index)] = model_value
+    return expanded
+
+
 def base_log_name(key, num_models=None):
     """`(name, index)` for a per-model entry `name_{index}` (with `index <
     num_models` where given); `(key, None)` for any other entry."""

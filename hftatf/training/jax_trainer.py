@@ -29,32 +29,14 @@ import numpy as np
 from keras import ops
 
 from hftatf import passes
-from hftatf.core import compat
 from hftatf.core.axis import concat_models, take_models
-from hftatf.core.compat import get_keras_mask
+from hftatf.core.logs import expand_model_logs
 from hftatf.distribution import check_distribution
-
-
-def _current(scope, variables, values):
-    """The values of `variables` at the end of `scope` (those it did not
-    assign keep `values`)."""
-    new = []
-    for variable, value in zip(variables, values):
-        current = scope.get_current_value(variable)
-        new.append(value if current is None else current)
-    return new
-
+from hftatf.training.losses import current_values
 
 # A copy of an array that the next step, which takes its state over, does
 # not delete: compiled, as an eager copy costs several times more.
 _copy = jax.jit(lambda values: [jax.numpy.copy(v) for v in values])
-
-
-def _without_attributes(y_pred):
-    """Whether no output carries a mask or logits (which mapping over the
-    model axis would not carry)."""
-    return all(get_keras_mask(t) is None and compat.keras_logits(t) is None
-               for t in keras.tree.flatten(y_pred))
 
 
 class JAXTrainer:
@@ -111,19 +93,22 @@ class JAXTrainer:
         raises (a batch the array refuses), first gives the variables
         their values back: Keras takes them out of the variables while
         steps run, and `evaluate`, or a step that fails before the first
-        returns, would leave them empty."""
+        returns, would leave them empty. Its logs give each model's value
+        of a per-model quantity as `name_b`: the traced step returns them
+        as one `[B]` entry (`get_metrics_result`)."""
         if getattr(function, "keeps_variables", False):
             return function
 
         def step(state, iterator):
             try:
-                return function(state, iterator)
+                outputs, state = function(state, iterator)
             except Exception:
                 if not getattr(self, "_jax_state", None):
                     self._jax_state = dict(zip(names, state))
                     self._jax_state_synced = False
                 self.jax_state_sync()
                 raise
+            return expand_model_logs(outputs, self._model_values), state
 
         step.keeps_variables = True
         return step
@@ -136,90 +121,16 @@ class JAXTrainer:
             return data[0] if isinstance(data, (list, tuple)) else next(data)
         return None
 
-    def _map_models(self, function, indices, y, y_pred, sample_weight,
-                    training, *mapped):
-        """`function(labels, predictions, sample_weight, *mapped)` of each
-        of the models `indices` (a range; `y_pred` holds theirs), mapped
-        over the model axis with `jax.vmap`, so that the step's program
-        and its tracing do not grow with `B`: the predictions, per-model
-        labels and weights on axis 1, `mapped` on axis 0. Each model gets
-        what `_model_targets` gives it."""
-        indices = list(indices)
-        start, count = indices[0], len(indices)
-
-        def per_model(structure, flags):
-            flat = [] if structure is None else keras.tree.flatten(structure)
-            return flat, [take_models(t, start, count, axis=1)
-                          for t, own in zip(flat, flags) if own]
-
-        flags_y = [] if y is None else self._labels_per_model(y, y_pred)
-        flat_y, own_y = per_model(y, flags_y)
-        flags_w = ([] if sample_weight is None else
-                   self._weights_per_model(sample_weight, y_pred))
-        flat_w, own_w = per_model(sample_weight, flags_w)
-
-        def rebuilt(structure, flat, flags, own):
-            if structure is None:
-                return None
-            own = iter(own)
-            return keras.tree.pack_sequence_as(structure, [
-                next(own) if flag else t for t, flag in zip(flat, flags)])
-
-        def one(pred, own_y, own_w, mapped):
-            labels = rebuilt(y, flat_y, flags_y, own_y)
-            weights = rebuilt(sample_weight, flat_w, flags_w, own_w)
-            if (training and self._class_weight is not None
-                    and labels is not None):
-                weights = self._with_class_weights(labels, weights)
-            return function(labels, pred, weights, *mapped)
-
-        return jax.vmap(one, in_axes=(1, 1, 1, 0))(y_pred, own_y, own_w,
-                                                    list(mapped))
-
-    def _compiled_losses(self, indices, y, y_pred, sample_weight, training):
-        """As every backend's, computed by one compiled loss mapped over
-        the models (`_map_models`) where it holds no state."""
-        template = self._model_losses[0] if self._model_losses else None
-        if (template is None or not template.built or template.metrics
-                or len(indices) < 2 or not _without_attributes(y_pred)):
-            return super()._compiled_losses(indices, y, y_pred,
-                                            sample_weight, training)
-        return self._map_models(
-            lambda labels, pred, weights: template(labels, pred, weights),
-            indices, y, y_pred, sample_weight, training)
-
-    def _update_model_metrics(self, y, y_pred, sample_weight, training):
-        """As every backend's, computed by one model's compiled metrics
-        mapped over the models' stacked metric variables
-        (`_map_models`)."""
-        groups = self._model_metrics
-        variables = groups[0].variables
-        if (len(groups) < 2 or not _without_attributes(y_pred)
-                or not all(g.built for g in groups)
-                or any(len(g.variables) != len(variables) for g in groups)):
-            return super()._update_model_metrics(y, y_pred, sample_weight,
-                                                 training)
-
-        def update(labels, pred, weights, values):
-            with keras.StatelessScope(
-                    state_mapping=list(zip(variables, values))) as scope:
-                groups[0].update_state(labels, pred, weights)
-            return _current(scope, variables, values)
-
-        updated = self._map_models(
-            update, range(self.num_models), y, y_pred, sample_weight,
-            training, [ops.stack([g.variables[i].value for g in groups])
-                       for i in range(len(variables))])
-        for number, values in enumerate(updated):
-            for group, value in zip(groups, ops.unstack(values)):
-                group.variables[number].assign(value)
-
     def _model_values(self, vector):
         """The `B` entries of `vector`: outside a traced step, read as
         NumPy values (eager slices would each compile a program)."""
-        if isinstance(vector, jax.core.Tracer):
+        if self._traced(vector):
             return list(ops.unstack(vector))
         return list(np.asarray(vector))
+
+    def _traced(self, tensor):
+        """Whether `tensor` is a value of a step being traced."""
+        return isinstance(tensor, jax.core.Tracer)
 
     def _training_value(self, variable):
         """The value of the metric variable `variable`: inside `fit`, where
@@ -285,7 +196,8 @@ class JAXTrainer:
     def state_after(self, scope, state):
         """The four state lists at the end of `scope`
         (`stateless_scope(state)`)."""
-        return tuple(_current(scope, variables, values) for variables, values
+        return tuple(current_values(scope, variables, values)
+                     for variables, values
                      in zip(self._state_variables(), state))
 
     def train_step(self, state, data):
@@ -333,8 +245,8 @@ class JAXTrainer:
             logs = self._track(x, y, y_pred, sample_weight, losses)
         return logs, (
             trainable,
-            _current(scope, self.non_trainable_variables, non_trainable),
-            _current(scope, self.metrics_variables, metrics_values))
+            current_values(scope, self.non_trainable_variables, non_trainable),
+            current_values(scope, self.metrics_variables, metrics_values))
 
     def compute_loss_and_updates(self, trainable_variables,
                                  non_trainable_variables, metrics_variables,
@@ -370,7 +282,7 @@ class JAXTrainer:
                     training=training)
             loss = (self.optimizer.scale_model_losses(losses) if training
                     else ops.sum(losses))
-        metrics_values = _current(scope, self.metrics_variables,
+        metrics_values = current_values(scope, self.metrics_variables,
                                   metrics_values)
         return loss, (losses, y_pred, non_trainable, metrics_values)
 

@@ -11,13 +11,21 @@ import keras
 from keras import ops
 
 from hftatf.core import compat
+from hftatf.core.axis import swap_model_axis, take_models
 from hftatf.core.compat import (
     CompileLoss,
     CompileMetrics,
+    get_keras_mask,
     scale_loss_for_distribution,
     unscale_loss_for_distribution,
 )
-from hftatf.core.logs import check_log_names, model_log_name, per_model_mean
+from hftatf.core.logs import (
+    check_log_names,
+    model_log_name,
+    models_log_name,
+    per_model_mean,
+)
+from hftatf.layers import backends
 
 
 class PerModelMean(keras.metrics.Metric):
@@ -76,6 +84,22 @@ def clone_metrics(metrics):
 
     return keras.tree.map_structure(clone, metrics, none_is_leaf=True) if (
         metrics is not None) else None
+
+
+def without_masks(y_pred):
+    """Whether no output carries a Keras mask (which mapping over the
+    model axis would not carry)."""
+    return all(get_keras_mask(t) is None for t in keras.tree.flatten(y_pred))
+
+
+def current_values(scope, variables, values):
+    """The values of `variables` at the end of the `keras.StatelessScope`
+    `scope` (those it did not assign keep `values`)."""
+    new = []
+    for variable, value in zip(variables, values):
+        current = scope.get_current_value(variable)
+        new.append(value if current is None else current)
+    return new
 
 
 def check_reduced(loss):
@@ -158,7 +182,28 @@ class PerModelLosses:
     def _compiled_losses(self, indices, y, y_pred, sample_weight, training):
         """The `[len(indices)]` compiled losses of the models `indices`,
         whose predictions `y_pred` holds (zeros without a compiled
-        loss)."""
+        loss): one model's compiled loss mapped over the models
+        (`_map_models`) where it holds no state (per-output trackers)."""
+        template = self._model_losses[0] if self._model_losses else None
+        mappable = (template is not None and len(indices) > 1
+                    and without_masks(y_pred))
+        if mappable and len(keras.tree.flatten(y_pred)) == 1:
+            # Built first, so that a first step does not trace each model's
+            # (one of several outputs keeps a tracker: not mapped).
+            self._build_alike([template], indices[0], y, y_pred,
+                              sample_weight)
+        if mappable and template.built and not template.metrics:
+            losses = self._map_models(
+                lambda labels, pred, weights: template(labels, pred, weights),
+                indices, y, y_pred, sample_weight, training)
+            if losses is not None:
+                return losses
+        return self._compiled_losses_one_by_one(indices, y, y_pred,
+                                                sample_weight, training)
+
+    def _compiled_losses_one_by_one(self, indices, y, y_pred, sample_weight,
+                                    training):
+        """`_compiled_losses`, one model after the other."""
         losses = []
         preds = self._model_predictions(y_pred)
         for index, pred in zip(indices, preds):
@@ -176,12 +221,163 @@ class PerModelLosses:
 
     def _update_model_metrics(self, y, y_pred, sample_weight, training):
         """Updates each model's compiled metrics with its labels,
-        predictions and sample weights."""
+        predictions and sample weights: one model's compiled metrics
+        mapped over the models' stacked metric variables
+        (`_map_models`)."""
+        groups = self._model_metrics
+        if len(groups) > 1:
+            self._build_alike(groups, 0, y, y_pred, sample_weight)
+        variables = groups[0].variables
+        if self._metrics_alike() and without_masks(y_pred):
+
+            def update(labels, pred, weights, values):
+                with keras.StatelessScope(
+                        state_mapping=list(zip(variables, values))) as scope:
+                    groups[0].update_state(labels, pred, weights)
+                return current_values(scope, variables, values)
+
+            updated = self._map_models(
+                update, range(self.num_models), y, y_pred, sample_weight,
+                training, self._stacked_metric_values())
+            if updated is not None:
+                for number, values in enumerate(updated):
+                    for group, value in zip(groups, ops.unstack(values)):
+                        group.variables[number].assign(value)
+                return
         preds = self._model_predictions(y_pred)
-        for index, (metrics, pred) in enumerate(zip(self._model_metrics,
-                                                    preds)):
+        for index, (metrics, pred) in enumerate(zip(groups, preds)):
             metrics.update_state(*self._model_targets(
                 y, y_pred, sample_weight, index, pred, training=training))
+
+    def _metrics_alike(self):
+        """Whether the models' compiled metrics (more than one) hold
+        variables of one structure, which one model's metrics can map
+        over: a metric that makes its variables at its first update
+        (F1Score) is first updated model by model."""
+        groups = self._model_metrics or ()
+        variables = groups[0].variables if groups else ()
+        return (len(groups) > 1
+                and all(m.variables for m in groups[0].metrics)
+                and all(len(g.variables) == len(variables) for g in groups))
+
+    def _stacked_metric_values(self):
+        """Each variable of the models' compiled metrics, stacked over the
+        models: `[B, *shape]`."""
+        groups = self._model_metrics
+        return [ops.stack([g.variables[i].value for g in groups])
+                for i in range(len(groups[0].variables))]
+
+    def _model_metric_results(self):
+        """Each model's compiled metric results (a dict by name per
+        model)."""
+        mapped = self._mapped_metric_results()
+        if mapped is None:
+            return [group.result() for group in self._model_metrics or []]
+        mapped = {name: ops.unstack(value) for name, value in mapped.items()}
+        return [{name: values[index] for name, values in mapped.items()}
+                for index in range(self.num_models)]
+
+    def _mapped_metric_results(self):
+        """The models' compiled metric results stacked over the models
+        (`{name: [B, ...]}`): one model's `result` mapped over the stacked
+        variables, so that the step's program does not compute them model
+        by model; None where the models' metrics are not alike or the
+        backend does not map them."""
+        if not self._metrics_alike():
+            return None
+        groups = self._model_metrics
+        variables = groups[0].variables
+
+        def result(values):
+            with keras.StatelessScope(
+                    state_mapping=list(zip(variables, values))):
+                # A result may be the metric's own variable (the counts of
+                # `TruePositives(thresholds=[...])`).
+                return {name: value.value if isinstance(
+                    value, keras.Variable) else value for name, value
+                    in groups[0].result().items()}
+
+        return self._vectorized_map(result, self._stacked_metric_values())
+
+    def _build_alike(self, objects, index, y, y_pred, sample_weight):
+        """Builds those of `objects` (the models' `CompileMetrics` or
+        `CompileLoss`) not built yet on the shapes and dtypes of the
+        targets of the model `index` (the first of `y_pred`), which all
+        models share: the first update then need not trace each model's,
+        and the metrics' variables are made outside the traced step
+        (inside, TensorFlow makes each one a conditional
+        initialization)."""
+        unbuilt = [o for o in objects if not o.built]
+        if not unbuilt:
+            return
+        pred = keras.tree.map_structure(lambda t: t[:, 0], y_pred)
+        labels, pred, _ = self._model_targets(y, y_pred, sample_weight, index,
+                                              pred)
+        # An output without a loss may have no labels (None).
+        labels, pred = keras.tree.map_structure(
+            lambda t: None if t is None else keras.KerasTensor(
+                t.shape, keras.backend.standardize_dtype(t.dtype)),
+            (labels, pred))
+        with backends.init_scope():
+            for built in unbuilt:
+                built.build(labels, pred)
+
+    def _map_models(self, function, indices, y, y_pred, sample_weight,
+                    training, *mapped):
+        """`function(labels, predictions, sample_weight, *mapped)` of each
+        of the models `indices` (a range; `y_pred` holds theirs), mapped
+        over the model axis (`_vectorized_map`), so that the step's
+        program and its tracing do not grow with `B`: the predictions (and
+        the logits Keras keeps on them), per-model labels and weights on
+        axis 1, `mapped` on axis 0. Each model gets what `_model_targets`
+        gives it. None where the backend cannot map `function`."""
+        indices = list(indices)
+        start, count = indices[0], len(indices)
+
+        def per_model(structure, flags):
+            flat = [] if structure is None else keras.tree.flatten(structure)
+            return flat, [swap_model_axis(take_models(t, start, count, axis=1))
+                          for t, own in zip(flat, flags) if own]
+
+        flags_y = [] if y is None else self._labels_per_model(y, y_pred)
+        flat_y, own_y = per_model(y, flags_y)
+        flags_w = ([] if sample_weight is None else
+                   self._weights_per_model(sample_weight, y_pred))
+        flat_w, own_w = per_model(sample_weight, flags_w)
+        flat_pred = keras.tree.flatten(y_pred)
+        logits = [compat.keras_logits(t) for t in flat_pred]
+        preds = [swap_model_axis(t) for t in flat_pred]
+        own_logits = [swap_model_axis(t) for t in logits if t is not None]
+
+        def rebuilt(structure, flat, flags, own):
+            if structure is None:
+                return None
+            own = iter(own)
+            return keras.tree.pack_sequence_as(structure, [
+                next(own) if flag else t for t, flag in zip(flat, flags)])
+
+        def one(elements):
+            preds, own_logits, own_y, own_w, mapped = elements
+            own_logits = iter(own_logits)
+            for pred, kept in zip(preds, logits):
+                if kept is not None:
+                    compat.keep_logits(pred, next(own_logits))
+            labels = rebuilt(y, flat_y, flags_y, own_y)
+            weights = rebuilt(sample_weight, flat_w, flags_w, own_w)
+            if (training and self._class_weight is not None
+                    and labels is not None):
+                weights = self._with_class_weights(labels, weights)
+            return function(labels, keras.tree.pack_sequence_as(
+                y_pred, preds), weights, *mapped)
+
+        return self._vectorized_map(
+            one, (preds, own_logits, own_y, own_w, list(mapped)))
+
+    def _vectorized_map(self, function, elements):
+        """`function` of each entry of axis 0 of `elements`, vectorized
+        (`keras.ops.vectorized_map`); None where the backend cannot
+        vectorize `function`."""
+        return ops.vectorized_map(function, elements)
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None,
                      training=True):
@@ -229,35 +425,66 @@ class PerModelLosses:
         return metrics
 
     def get_metrics_result(self):
-        """Logs: each per-model value as `name_b`, and their mean as `name`."""
+        """Logs: each per-model value as `name_b`, and their mean as `name`.
+        Inside a traced step, each per-model quantity is one `[B, ...]`
+        entry (`models_log_name`) instead of the `name_b`, which the step
+        function splits on the host (`expand_model_logs`): TensorFlow's
+        graph optimizer walks a step's outputs one by one, for seconds
+        at `B` in the hundreds."""
         if self._model_loss_tracker is None:
             return super().get_metrics_result()
-        per_model = {"loss": self._model_values(
-            self._model_loss_tracker.result())}
-        groups = [m for m in self._model_metrics or ()]
-        groups += [m for m in self._model_losses or ()]
-        for index, group in enumerate(groups):
-            index %= self.num_models
-            results = {m.name: m.result() for m in group.metrics} if (
-                isinstance(group, CompileLoss)) else group.result()
-            for name, value in results.items():
-                per_model.setdefault(name, [None] * self.num_models)
-                # A result may be the metric's own variable (the counts of
-                # `TruePositives(thresholds=[...])`).
-                if isinstance(value, keras.Variable):
-                    value = value.value
-                per_model[name][index] = ops.convert_to_tensor(value)
+        loss = self._model_loss_tracker.result()
+        per_model = (self._stacked_results(loss) if self._traced(loss)
+                     else self._results_by_model(loss))
         check_log_names(per_model, self.num_models)
         logs = {}
         for name, values in per_model.items():
-            # A metric may give a vector per model (F1Score per class).
-            logs[name] = per_model_mean(ops.stack(values),
-                                        self._status.diverged)
-            for index, value in enumerate(values):
-                logs[model_log_name(name, index)] = value
+            if isinstance(values, list):
+                # A metric may give a vector per model (F1Score per class).
+                logs[name] = per_model_mean(ops.stack(values),
+                                            self._status.diverged)
+                for index, value in enumerate(values):
+                    logs[model_log_name(name, index)] = value
+            else:
+                logs[name] = per_model_mean(values, self._status.diverged)
+                logs[models_log_name(name)] = values
         for metric in self._user_metrics():
             logs[metric.name] = metric.result()
         return logs
+
+    def _results_by_model(self, loss):
+        """`{name: [each model's value]}` of every per-model log."""
+        per_model = {"loss": self._model_values(loss)}
+        results = self._model_metric_results() + self._model_loss_results()
+        for index, model_results in enumerate(results):
+            index %= self.num_models
+            for name, value in model_results.items():
+                per_model.setdefault(name, [None] * self.num_models)
+                per_model[name][index] = _tensor(value)
+        return per_model
+
+    def _stacked_results(self, loss):
+        """`{name: [B, ...] values}` of every per-model log."""
+        per_model = {"loss": loss}
+        mapped = self._mapped_metric_results()
+        results = self._model_loss_results()
+        if mapped is None:
+            results = self._model_metric_results() + results
+        else:
+            per_model.update(mapped)
+        by_name = {}
+        for model_results in results:
+            for name, value in model_results.items():
+                by_name.setdefault(name, []).append(_tensor(value))
+        for name, values in by_name.items():
+            per_model[name] = ops.stack(values)
+        return per_model
+
+    def _model_loss_results(self):
+        """The results of each model's compiled loss's trackers (one per
+        output of several), a dict by name per model."""
+        return [{m.name: m.result() for m in group.metrics}
+                for group in self._model_losses or ()]
 
     def _flatten_metrics_in_order(self, logs):
         """`logs` as the list `evaluate` and `*_on_batch` return without
@@ -288,3 +515,11 @@ class PerModelLosses:
         own.update(id(m) for m in self._model_metrics or ())
         own.update(id(m) for m in self._model_losses or ())
         return [m for m in compat.tracked_metrics(self) if id(m) not in own]
+
+
+def _tensor(value):
+    """A metric's result as a tensor: a result may be the metric's own
+    variable (the counts of `TruePositives(thresholds=[...])`)."""
+    if isinstance(value, keras.Variable):
+        value = value.value
+    return ops.convert_to_tensor(value)

@@ -27,12 +27,15 @@ A backend trainer provides:
   that may take the step.
 * `_built_pass_model(count)`: a new array of `count` models for passes
   (`passes.PassPlanning._pass_model` keeps it); `_distributed()`,
-  `_training_value(variable)`, `_model_values(vector)` and
-  `_batch_for_building(iterator)`: where the backends differ in reading
-  state and data; `AUTO_PASSES`: whether `models_per_pass="auto"` may
-  pick passes.
+  `_training_value(variable)`, `_model_values(vector)`,
+  `_traced(tensor)` and `_batch_for_building(iterator)`: where the
+  backends differ in reading state and data; `AUTO_PASSES`: whether
+  `models_per_pass="auto"` may pick passes.
 * `_uses_replica_jit(jit_compile, run_eagerly)`: whether each replica's
   forward and backward pass is compiled on its own (see `compile`).
+* `_vectorized_map(function, elements)`: one model's compiled loss or
+  metrics mapped over the models (`hftatf.training.losses`), or None
+  where the backend cannot vectorize them.
 
 Sparse gradients (`tf.IndexedSlices` of embeddings, `hftatf.sparse`) are
 TensorFlow's; a JAX trainer has dense ones only.
@@ -61,6 +64,7 @@ from hftatf.core.compat import (
     set_keras_mask,
 )
 from hftatf.core.devices import has_accelerator
+from hftatf.core.logs import expand_model_logs
 from hftatf.layers import objects
 
 # Stock layers that XLA cannot compile on a CPU (TensorFlow 2.21), though
@@ -137,6 +141,10 @@ class TensorFlowTrainer:
         """The `B` entries of `vector`."""
         return list(ops.unstack(vector))
 
+    def _traced(self, tensor):
+        """Whether `tensor` is a value of a step being traced."""
+        return not tf.executing_eagerly()
+
     def _training_value(self, variable):
         """The value of the metric variable `variable` (the JAX trainer's
         may be in the step's state)."""
@@ -146,6 +154,22 @@ class TensorFlowTrainer:
         """`_training_value` of each of `variables`, kept from the steps
         that follow."""
         return [ops.copy(variable.value) for variable in variables]
+
+    def _vectorized_map(self, function, elements):
+        """`tf.vectorized_map` (`compat.tensorflow_vectorized_map`: built
+        inline, so that XLA compiles the step once), None where an op of
+        `function` has no vectorized form: its fallback, a `tf.while_loop`
+        over the models, would be slower than the per-model objects. None
+        outside a traced step too (the logs at the end of an epoch): there
+        each call would trace a function of its own."""
+        if tf.executing_eagerly():
+            return None
+        try:
+            return compat.tensorflow_vectorized_map(function, elements)
+        except ValueError as error:
+            logging.info("Per-model losses and metrics are computed one "
+                         "model after the other: %s", error)
+            return None
 
     def _distributed(self):
         """Whether the array trains under a `tf.distribute` strategy."""
@@ -192,9 +216,28 @@ class TensorFlowTrainer:
         straight from their seeds (`hftatf.seeds`)."""
         if self.train_function is not None and not force:
             return self.train_function
-        self.train_function = compat.make_step_function(
-            self, self._train_step_keyed)
+        self.train_function = self._expanding_logs(
+            compat.make_step_function(self, self._train_step_keyed))
         return self.train_function
+
+    def make_test_function(self, force=False):
+        """As Keras's, giving each model's logs (`expand_model_logs`)."""
+        super().make_test_function(force=force)
+        self.test_function = self._expanding_logs(self.test_function)
+        return self.test_function
+
+    def _expanding_logs(self, function):
+        """`function` (Keras's step over an iterator), whose logs give
+        each model's value of a per-model quantity as `name_b`: the traced
+        step returns them as one `[B]` entry (`get_metrics_result`)."""
+        if getattr(function, "expands_logs", False):
+            return function
+
+        def step(iterator):
+            return expand_model_logs(function(iterator), self._model_values)
+
+        step.expands_logs = True
+        return step
 
     def _train_step_keyed(self, data):
         with seeds.keys_from_seeds():
