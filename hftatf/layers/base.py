@@ -56,17 +56,31 @@ def keep_stock_initializers(fused, layer):
     return fused
 
 
+# Initializers that draw nothing: one call fills every model's slice with
+# the values each slice's own call would give.
+_CONSTANT_INITIALIZERS = (keras.initializers.Zeros, keras.initializers.Ones,
+                          keras.initializers.Constant)
+
+
 class StackedInitializer:
     """Initializes a `[B, *shape]` weight slice by slice.
 
     Each slice is initialised as a stock layer would initialise its own
-    weight of shape `shape`, so fan-in and fan-out never count `B`.
+    weight of shape `shape`, so fan-in and fan-out never count `B`. A
+    constant initializer (zeros, ones, `Constant`) is called once for the
+    whole weight: the same values, without B calls.
     """
 
     def __init__(self, initializer, num_models):
-        self.initializers = model_initializers(initializer, num_models)
+        initializer = keras.initializers.get(initializer)
+        self.constant = (initializer if type(initializer) in
+                         _CONSTANT_INITIALIZERS else None)
+        self.initializers = (None if self.constant is not None else
+                             model_initializers(initializer, num_models))
 
     def __call__(self, shape, dtype=None):
+        if self.constant is not None:
+            return self.constant(tuple(shape), dtype=dtype)
         per_model = tuple(shape[1:])
         return ops.stack([init(per_model, dtype=dtype)
                           for init in self.initializers])

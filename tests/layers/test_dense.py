@@ -231,6 +231,24 @@ def test_seeded_slice_zero_equals_stock(initializer_class):
         np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("initializer", [
+    "zeros", "ones", keras.initializers.Constant(0.25),
+    keras.initializers.Constant(np.arange(UNITS, dtype="float32"))])
+def test_constant_initializers_give_every_slice_the_stock_values(
+        initializer):
+    # Drawn once for the whole weight, not per slice.
+    fused = FusedDense(5, UNITS, kernel_initializer=initializer,
+                       bias_initializer=initializer)
+    fused.build((None, 5, IN_FEATURES))
+    stock = keras.layers.Dense(UNITS, kernel_initializer=initializer,
+                               bias_initializer=initializer)
+    stock.build((None, IN_FEATURES))
+    for b in range(5):
+        for got, expected in zip(fused.get_model_weights(b),
+                                 stock.get_weights()):
+            np.testing.assert_array_equal(got, expected)
+
+
 def test_orthogonal_initializer_is_orthogonal_per_slice():
     units = 4
     fused = FusedDense(3, units, kernel_initializer="orthogonal")
