@@ -55,6 +55,14 @@ def expand_model_logs(logs, model_values):
     return expanded
 
 
+def host_values(vector):
+    """The `B` entries of a step's `[B]` log `vector`, read on the host at
+    once: B eager slices would each be an operation of their own (on JAX,
+    a program compiled for it), and the callbacks read every log after
+    each batch anyway."""
+    return list(np.asarray(vector))
+
+
 def base_log_name(key, num_models=None):
     """`(name, index)` for a per-model entry `name_{index}` (with `index <
     num_models` where given); `(key, None)` for any other entry."""

@@ -25,12 +25,11 @@ import warnings
 
 import jax
 import keras
-import numpy as np
 from keras import ops
 
 from hftatf import passes
 from hftatf.core.axis import concat_models, take_models
-from hftatf.core.logs import expand_model_logs
+from hftatf.core.logs import expand_model_logs, host_values
 from hftatf.distribution import check_distribution
 from hftatf.training.losses import current_values
 
@@ -126,7 +125,7 @@ class JAXTrainer:
         NumPy values (eager slices would each compile a program)."""
         if self._traced(vector):
             return list(ops.unstack(vector))
-        return list(np.asarray(vector))
+        return host_values(vector)
 
     def _traced(self, tensor):
         """Whether `tensor` is a value of a step being traced."""

@@ -45,7 +45,6 @@ import logging
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 from keras import ops
 
@@ -65,7 +64,7 @@ from hftatf.core.compat import (
     set_keras_mask,
 )
 from hftatf.core.devices import has_accelerator
-from hftatf.core.logs import expand_model_logs
+from hftatf.core.logs import expand_model_logs, host_values
 from hftatf.layers import objects
 
 # Stock layers that XLA cannot compile on a CPU (TensorFlow 2.21), though
@@ -123,13 +122,6 @@ def _assign_models(variable, value, models):
         variable.assign(select_models(models, value, variable))
 
     tf.cond(tf.reduce_any(models), select, lambda: None)
-
-
-def _host_values(vector):
-    """The `B` entries of a step's `[B]` log `vector`, read on the host at
-    once: Keras's callbacks read every log after each batch anyway, and B
-    eager slices of it cost a tenth of a B = 1 step on a CPU."""
-    return list(np.asarray(vector))
 
 
 class TensorFlowTrainer:
@@ -242,7 +234,7 @@ class TensorFlowTrainer:
             return function
 
         def step(iterator):
-            return expand_model_logs(function(iterator), _host_values)
+            return expand_model_logs(function(iterator), host_values)
 
         step.expands_logs = True
         return step

@@ -17,7 +17,7 @@ EAGER = BACKEND != "jax"
 
 
 def assert_fit_matches_stock(model, x, y, learning_rates, batch_size=8,
-                             update_rtol=None, loss_rtol=RTOL, eager=None):
+                             update_rtol=None, loss_rtol=RTOL, eager=EAGER):
     """Fuses `model` into an array of `len(learning_rates)` models, trains it
     for one epoch of `x` with fused SGD, trains B stock copies of its start
     with stock SGD on the same batches, and asserts that every weight
@@ -38,14 +38,12 @@ def assert_fit_matches_stock(model, x, y, learning_rates, batch_size=8,
             or of a statistic for statistics).
         loss_rtol: the relative tolerance of the logged losses.
         eager: whether the array and the stock models run their steps
-            eagerly (None: `EAGER`).
+            eagerly.
     """
     num_models = len(learning_rates)
     array = hftatf.fuse(model, num_models)
     stock = array.unfuse()
     start = [[np.asarray(w).copy() for w in m.weights] for m in stock]
-    if eager is None:
-        eager = EAGER
     array.compile(hftatf.optimizers.SGD(learning_rates), loss=LOSS,
                   run_eagerly=eager)
     history = array.fit(x, y, batch_size=batch_size, epochs=1,
