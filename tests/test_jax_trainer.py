@@ -88,3 +88,30 @@ def test_evaluation_losses_of_the_stateless_call_are_the_arrays():
         [v.value for v in array.metrics_variables], x, y, None)
     assert_close(losses, [logs[f"loss_{b}"] for b in range(B)])
     assert_close(total, sum(logs[f"loss_{b}"] for b in range(B)))
+
+
+@pytest.mark.parametrize("num_models, on_host", [(3, False), (65, True)])
+def test_a_steps_model_logs_are_read_on_the_host_only_for_many_models(
+        monkeypatch, num_models, on_host):
+    # Reading a step's per-model logs on the host waits for the step, and so
+    # for every step of `fit`: a small array splits them on the device.
+    from hftatf.training import jax_trainer
+
+    reads = []
+
+    def host_values(vector):
+        reads.append(vector.shape)
+        return list(np.asarray(vector))
+
+    monkeypatch.setattr(jax_trainer, "host_values", host_values)
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
+    y = np.arange(16) % 3
+    array = hftatf.fuse(network(), num_models)
+    array.compile("sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True), metrics=["accuracy"])
+    logs = array.train_on_batch(x, y, return_dict=True)
+    assert bool(reads) == on_host, reads
+    assert sorted(k for k in logs if k.startswith("accuracy_")) == sorted(
+        f"accuracy_{b}" for b in range(num_models))
+    assert_close(np.mean([logs[f"loss_{b}"] for b in range(num_models)]),
+                 logs["loss"])

@@ -37,6 +37,15 @@ from hftatf.training.losses import current_values
 # not delete: compiled, as an eager copy costs several times more.
 _copy = jax.jit(lambda values: [jax.numpy.copy(v) for v in values])
 
+# A step's `[B, ...]` log split into its `B` entries on the device, in one
+# program, without waiting for the step: reading it on the host would wait
+# for every step (an 8-model MLP's step on this CPU: 0.77 -> 0.62 ms). Up
+# to `_DEVICE_SPLIT_LIMIT` entries: the program's outputs cost more than
+# the wait past that (B = 8: 0.015 ms, 100: 0.17 ms, 1,000: 2.9 ms; read
+# on the host, 0.04 ms at B = 1,000).
+_split = jax.jit(list)
+_DEVICE_SPLIT_LIMIT = 64
+
 
 class JAXTrainer:
     """Mixin of `FusedModel`: its steps on the JAX backend (see the
@@ -121,10 +130,14 @@ class JAXTrainer:
         return None
 
     def _model_values(self, vector):
-        """The `B` entries of `vector`: outside a traced step, read as
+        """The `B` entries of `vector`: outside a traced step, split on the
+        device in one program (`_split`), or, for many models, read as
         NumPy values (eager slices would each compile a program)."""
         if self._traced(vector):
             return list(ops.unstack(vector))
+        if isinstance(vector, jax.Array) and (
+                vector.shape[0] <= _DEVICE_SPLIT_LIMIT):
+            return _split(vector)
         return host_values(vector)
 
     def _traced(self, tensor):
