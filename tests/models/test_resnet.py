@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from testing import STEP_JIT, compiled_call
 from zoo_testing import (
+    DIGITS_VALIDATION,
     EAGER,
     assert_export_round_trip,
     assert_fit_matches_stock,
@@ -131,14 +132,15 @@ def test_recipes(name):
 @pytest.mark.slow
 def test_array_learns_digits():
     keras.utils.set_random_seed(0)
-    train, validation = data.digit_images(128, image_size=32, channels=3)
+    train, validation = data.digit_images(
+        128, image_size=32, channels=3, validation_fraction=DIGITS_VALIDATION)
     model = resnet.resnet18(input_shape=(32, 32, 3), num_classes=10,
                             width=1 / 16)
     array = hftatf.fuse(model, 3)
     array.compile(hftatf.optimizers.SGD([0.2, 0.1, 0.05], momentum=0.9),
                   loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], jit_compile=STEP_JIT)
-    # The best model is near 0.96 after 6 epochs.
+    # The best model is past 0.9 after 6 epochs on either backend.
     history = array.fit(train, validation_data=validation, epochs=6,
                         verbose=0)
     best = max(history.history[f"val_accuracy_{b}"][-1] for b in range(3))
