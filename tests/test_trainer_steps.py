@@ -478,3 +478,30 @@ def jax_state(array):
             [v.value for v in array.non_trainable_variables],
             [v.value for v in array.optimizer.variables],
             [v.value for v in array.metrics_variables])
+
+
+@pytest.mark.backends("tensorflow", reason=(
+    "tf.function traces a step that creates variables twice; a JAX step "
+    "takes its state built"))
+@pytest.mark.parametrize("data", ["arrays", "dataset"])
+def test_the_first_fit_traces_the_step_once(data):
+    x = np.random.default_rng(0).normal(size=(N, 5)).astype("float32")
+    y = np.arange(N) % 3
+    array = hftatf.fuse(classifier(), B)
+    traces = []
+
+    def train_step(batch):
+        traces.append(1)
+        return hftatf.FusedModel.train_step(array, batch)
+
+    array.train_step = train_step
+    array.compile(hftatf.optimizers.Adam(RATES), loss=LOSS,
+                  metrics=["accuracy"])
+    if data == "dataset":
+        import tensorflow as tf
+
+        array.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH),
+                  epochs=2, verbose=0)
+    else:
+        array.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    assert len(traces) == 1

@@ -124,6 +124,13 @@ def _assign_models(variable, value, models):
     tf.cond(tf.reduce_any(models), select, lambda: None)
 
 
+def _element_spec(iterator):
+    """The `tf.TypeSpec`s of a batch of Keras's epoch `iterator` (None if
+    it has none)."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    return getattr(dataset, "element_spec", None)
+
+
 class TensorFlowTrainer:
     """Mixin of `FusedModel`: its steps on the TensorFlow backend (see the
     module docstring for what a backend trainer provides)."""
@@ -132,10 +139,33 @@ class TensorFlowTrainer:
     AUTO_PASSES = True
 
     def _batch_for_building(self, iterator):
-        """None: the per-model metrics are built when the step is traced
-        (taking a batch of a `PyDataset`'s iterator would run its epoch
-        hooks twice)."""
+        """None: the per-model metrics are built from the data's shapes
+        (`_maybe_symbolic_build`; taking a batch of a `PyDataset`'s
+        iterator would run its epoch hooks twice)."""
         return None
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        """As Keras's, which builds the model's state before the first step
+        only under a strategy. Without one, the array, its optimizer and
+        its per-model metrics are built here too, from the shapes of the
+        data (`element_spec`: no batch is taken), so that `tf.function`
+        traces the step once: a step that creates variables is traced
+        twice, which at B in the thousands is most of a first epoch."""
+        if self._distribute_strategy is not None:
+            super()._maybe_symbolic_build(iterator=iterator,
+                                          data_batch=data_batch)
+            return
+        if data_batch is None:
+            data_batch = _element_spec(iterator)
+        if data_batch is None:
+            return
+        try:
+            self._symbolic_build(data_batch=data_batch)
+        except Exception:  # noqa: BLE001
+            # What cannot be built from shapes alone (a layer that needs
+            # values) is built as Keras builds it without a strategy: in
+            # the step's first trace, whose errors are the user's.
+            pass
 
     def _model_values(self, vector):
         """The `B` entries of `vector`."""
