@@ -391,6 +391,12 @@ class PerModelLosses:
         losses = self.compute_model_losses(x, y, y_pred, sample_weight,
                                            training=False)
         if self._model_metrics is not None and y is not None:
+            # Built from one model's shapes; updated model by model only
+            # where a metric makes its variables at its first update.
+            self._build_alike(self._model_metrics, 0, y, y_pred,
+                              sample_weight)
+            if self._metrics_alike():
+                return losses
             preds = self._model_predictions(y_pred)
             for index, metrics in enumerate(self._model_metrics):
                 metrics.update_state(*self._model_targets(
