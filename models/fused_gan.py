@@ -18,6 +18,7 @@ from hftatf.core.axis import stack_models
 from hftatf.core.compat import (
     unscale_loss_for_distribution,
 )
+from hftatf.core.logs import model_log_name, models_log_name
 from hftatf.model import FusedModel, PerModelMean
 from hftatf.models.gan import (
     DISCRIMINATOR,
@@ -302,8 +303,12 @@ class FusedGAN(FusedModel):
                 count > 0,
                 ops.sum(ops.where(healthy, values, 0.0)) / ops.maximum(
                     count, 1.0), float("nan"))
-            for index in range(self.num_models):
-                logs[f"{tracker.name}_{index}"] = values[index]
+            if self._traced(values):
+                # One `[B]` entry, split into the `name_b` on the host.
+                logs[models_log_name(tracker.name)] = values
+                continue
+            for index, value in enumerate(self._model_values(values)):
+                logs[model_log_name(tracker.name, index)] = value
         return logs
 
     # -- serialization ------------------------------------------------------
