@@ -266,10 +266,11 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
             compat.compile_config(self)["models_per_pass"] = models_per_pass
 
     def _symbolic_build(self, iterator=None, data_batch=None):
-        # Under a strategy, and on JAX, state must exist before the step is
-        # traced: build the per-model losses and metrics as Keras builds
-        # its own. One batch serves both (taking a second from `iterator`
-        # would begin a `PyDataset`'s epoch twice).
+        # State must exist before the step is traced (on TensorFlow, a
+        # step that creates variables is traced twice): build the
+        # per-model losses and metrics as Keras builds its own. One batch
+        # serves both (taking a second from `iterator` would begin a
+        # `PyDataset`'s epoch twice).
         unbuilt = [m for m in (self._model_metrics or []) + (
             self._model_losses or []) if not m.built]
         if data_batch is None and unbuilt:

@@ -433,6 +433,14 @@ def run_through_graph(model, inputs, call_fn):
                                     call_fn=call_fn)
 
 
+def epoch_element_spec(iterator):
+    """The `tf.TypeSpec`s of a batch of Keras's TensorFlow epoch
+    `iterator` (None if it has none), read without taking a batch: the
+    dataset it iterates is private (checked on Keras 3.15)."""
+    dataset = getattr(iterator, "_distributed_dataset", None)
+    return getattr(dataset, "element_spec", None)
+
+
 def compile_config(model):
     """The arguments `model.compile` was called with ({} if it was not;
     `get_compile_config` returns them serialized)."""

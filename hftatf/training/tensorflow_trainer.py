@@ -124,13 +124,6 @@ def _assign_models(variable, value, models):
     tf.cond(tf.reduce_any(models), select, lambda: None)
 
 
-def _element_spec(iterator):
-    """The `tf.TypeSpec`s of a batch of Keras's epoch `iterator` (None if
-    it has none)."""
-    dataset = getattr(iterator, "_distributed_dataset", None)
-    return getattr(dataset, "element_spec", None)
-
-
 class TensorFlowTrainer:
     """Mixin of `FusedModel`: its steps on the TensorFlow backend (see the
     module docstring for what a backend trainer provides)."""
@@ -156,7 +149,7 @@ class TensorFlowTrainer:
                                           data_batch=data_batch)
             return
         if data_batch is None:
-            data_batch = _element_spec(iterator)
+            data_batch = compat.epoch_element_spec(iterator)
         if data_batch is None:
             return
         try:
