@@ -236,6 +236,11 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
             metrics=None, weighted_metrics=None, run_eagerly=run_eagerly,
             steps_per_execution=steps_per_execution, jit_compile=jit_compile,
             auto_scale_loss=auto_scale_loss)
+        # Each model's loss is its own `CompileLoss` (`compile_model_losses`).
+        # Keras's would never be built, and Keras traces a model whose
+        # compiled loss is unbuilt again at every `fit`, `evaluate` and
+        # `train_on_batch` call to build it.
+        self._compile_loss = None
         self._per_model_labels = per_model_labels
         self._user_loss = loss
         if (models_per_pass not in (None, "auto")

@@ -505,3 +505,34 @@ def test_the_first_fit_traces_the_step_once(data):
     else:
         array.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("builder", [classifier, two_headed])
+def test_batch_after_batch_calls_the_array_only_in_its_first_step(
+        builder, monkeypatch):
+    # Every later train_on_batch and test_on_batch runs the compiled steps:
+    # tracing the array again (to build state that never gets built) cost
+    # a MobileNet array more than its step.
+    x = np.random.default_rng(0).normal(size=(BATCH, 5)).astype("float32")
+    y = np.arange(BATCH) % 3
+    if builder is two_headed:
+        y = {"cls": y, "reg": x[:, :2]}
+    array = hftatf.fuse(builder(), B)
+    array.compile(hftatf.optimizers.Adam(RATES), loss=(
+        LOSS if builder is classifier else {"cls": LOSS, "reg": "mse"}),
+        metrics=["accuracy"] if builder is classifier else None)
+    calls = []
+    call = hftatf.FusedModel.call
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(hftatf.FusedModel, "call", counted)
+    array.train_on_batch(x, y)
+    array.test_on_batch(x, y)
+    first = len(calls)
+    for _ in range(3):
+        array.train_on_batch(x, y)
+        array.test_on_batch(x, y)
+    assert len(calls) == first

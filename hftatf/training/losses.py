@@ -189,8 +189,11 @@ class PerModelLosses:
                     and without_masks(y_pred))
         if mappable and len(keras.tree.flatten(y_pred)) == 1:
             # Built first, so that a first step does not trace each model's
-            # (one of several outputs keeps a tracker: not mapped).
-            self._build_alike([template], indices[0], y, y_pred,
+            # (one of several outputs keeps a tracker: not mapped). All are
+            # built, though only the template computes: an unbuilt one
+            # would make every later `fit` or `train_on_batch` trace the
+            # array again to build it (`FusedModel._symbolic_build`).
+            self._build_alike(self._model_losses, indices[0], y, y_pred,
                               sample_weight)
         if mappable and template.built and not template.metrics:
             losses = self._map_models(
