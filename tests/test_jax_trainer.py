@@ -115,3 +115,45 @@ def test_a_steps_model_logs_are_read_on_the_host_only_for_many_models(
         f"accuracy_{b}" for b in range(num_models))
     assert_close(np.mean([logs[f"loss_{b}"] for b in range(num_models)]),
                  logs["loss"])
+
+
+def _primitives(jaxpr):
+    """The names of the primitives of `jaxpr` and of the programs it
+    nests."""
+    from jax.extend import core
+
+    names = []
+    for equation in jaxpr.eqns:
+        names.append(equation.primitive.name)
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else [
+                    value]:
+                if isinstance(inner, core.ClosedJaxpr):
+                    names += _primitives(inner.jaxpr)
+                elif isinstance(inner, core.Jaxpr):
+                    names += _primitives(inner)
+    return names
+
+
+def test_per_model_gradients_are_stacked_not_padded():
+    # Per-model convolutions take the models' slices of their input: the
+    # gradient of a slice is a zero tensor of the whole input around it,
+    # B of them summed per layer, where one concatenation of the B
+    # gradients does.
+    inputs = keras.Input((6, 6, 2))
+    hidden = keras.layers.Conv2D(4, 3, padding="same")(inputs)
+    hidden = keras.layers.Conv2D(4, 3, padding="same")(hidden)
+    model = keras.Model(inputs, keras.layers.GlobalAveragePooling2D()(hidden))
+    array = hftatf.fuse(model, B, layout="models_first")
+    x = np.random.default_rng(0).normal(size=(4, 6, 6, 2)).astype("float32")
+    weights = [v.value for v in array.trainable_variables]
+
+    def loss(weights):
+        outputs, _ = array.stateless_call(
+            weights, [v.value for v in array.non_trainable_variables], x)
+        return ops.sum(outputs ** 2)
+
+    program = jax.make_jaxpr(jax.grad(loss))(weights)
+    primitives = _primitives(program.jaxpr)
+    assert "conv_general_dilated" in primitives
+    assert "pad" not in primitives, sorted(set(primitives))

@@ -141,7 +141,20 @@ def _split(tensor, num_models, axis):
     swap = (1, 0, *range(2, len(tensor.shape)))
     if axis == 1 and _transposed_by(tensor, swap):
         return ops.unstack(ops.transpose(tensor, swap), num_models, axis=0)
-    return ops.unstack(tensor, num_models, axis=axis)
+    return unstack(tensor, num_models, axis)
+
+
+def unstack(tensor, num, axis):
+    """`keras.ops.unstack(tensor, num, axis=axis)`, whose gradient is one
+    stack of the pieces' gradients. On TensorFlow it is. On JAX, Keras
+    slices the `num` pieces one by one, and the gradient of each slice is
+    a zero tensor of the whole shape around it: `num` of them, summed,
+    where one concatenation does (a per-model 1x1 convolution's training
+    step of 3 models took 92 ms that way, 71 ms by a split)."""
+    if keras.backend.backend() == "tensorflow":
+        return ops.unstack(tensor, num, axis=axis)
+    return [ops.squeeze(piece, axis)
+            for piece in ops.split(tensor, num, axis=axis)]
 
 
 def _transposed_by(tensor, order):
