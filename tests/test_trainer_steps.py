@@ -7,7 +7,7 @@ b's slice of everything."""
 import keras
 import numpy as np
 import pytest
-from testing import assert_close
+from testing import assert_close, jaxpr_equations
 
 import hftatf
 
@@ -385,27 +385,11 @@ def traced_step_size(array, x, y):
 
         program = jax.make_jaxpr(array.train_step)(jax_state(array),
                                                    (x, y))
-        return _equations(program.jaxpr)
+        return sum(1 for _ in jaxpr_equations(program.jaxpr))
     import tensorflow as tf
 
     step = tf.function(lambda x, y: array.train_step((x, y)))
     return len(step.get_concrete_function(x, y).graph.get_operations())
-
-
-def _equations(jaxpr):
-    from jax.extend import core
-
-    count = 0
-    for equation in jaxpr.eqns:
-        count += 1
-        for value in equation.params.values():
-            for inner in value if isinstance(value, (list, tuple)) else [
-                    value]:
-                if isinstance(inner, core.ClosedJaxpr):
-                    count += _equations(inner.jaxpr)
-                elif isinstance(inner, core.Jaxpr):
-                    count += _equations(inner)
-    return count
 
 
 def test_the_traced_step_does_not_grow_model_by_model():

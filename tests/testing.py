@@ -1,6 +1,7 @@
 """Helpers shared by the tests: the stock-Keras oracle and tolerances."""
 
 import collections
+import weakref
 
 import keras
 import numpy as np
@@ -135,24 +136,53 @@ def stock_and_fused_embeddings(num_models, input_dim, output_dim, rng,
 def compiled_call(model, x, training=False):
     """`model(x, training=training)` as NumPy, compiled on JAX: one program
     for the whole network (an eager call compiles each operation's own,
-    which takes longer for a deep network); the variables the call assigns
-    (moving statistics) are assigned as the eager call assigns them. On
-    TensorFlow, the eager call."""
+    which takes longer for a deep network), traced once per model and
+    `training` (calls on inputs of one shape reuse it); the variables the
+    call assigns (moving statistics) are assigned as the eager call
+    assigns them. On TensorFlow, the eager call."""
     if BACKEND != "jax":
         return np.asarray(model(x, training=training))
-    import jax
-
-    @jax.jit
-    def call(trainable, non_trainable, x):
-        return model.stateless_call(trainable, non_trainable, x,
-                                    training=training)
-
-    outputs, non_trainable = call(
+    calls = _COMPILED_CALLS.setdefault(model, {})
+    if training not in calls:
+        calls[training] = _compiled_stateless_call(weakref.ref(model),
+                                                   training)
+    outputs, non_trainable = calls[training](
         [v.value for v in model.trainable_variables],
         [v.value for v in model.non_trainable_variables], x)
     for variable, value in zip(model.non_trainable_variables, non_trainable):
         variable.assign(value)
     return np.asarray(outputs)
+
+
+# Per model (held weakly), `compiled_call`'s programs by `training`.
+_COMPILED_CALLS = weakref.WeakKeyDictionary()
+
+
+def _compiled_stateless_call(model_ref, training):
+    import jax
+
+    @jax.jit
+    def call(trainable, non_trainable, x):
+        return model_ref().stateless_call(trainable, non_trainable, x,
+                                          training=training)
+
+    return call
+
+
+def jaxpr_equations(jaxpr):
+    """Every equation of the JAX program `jaxpr`, those of the programs it
+    nests (a `cond`'s branches, a `jit` inside it) included."""
+    from jax.extend import core
+
+    for equation in jaxpr.eqns:
+        yield equation
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (list, tuple)) else [
+                    value]:
+                if isinstance(inner, core.ClosedJaxpr):
+                    yield from jaxpr_equations(inner.jaxpr)
+                elif isinstance(inner, core.Jaxpr):
+                    yield from jaxpr_equations(inner)
 
 
 def value_and_gradients(function, tensors, variables=(), state=()):
@@ -174,18 +204,20 @@ def value_and_gradients(function, tensors, variables=(), state=()):
         trained = {id(v) for v in variables}
         state = [v for v in state if id(v) not in trained]
 
-        def scalar_of(tensors, values):
-            mapping = list(zip(variables, values)) + [
-                (v, v.value) for v in state]
+        def scalar_of(tensors, values, state_values):
+            mapping = list(zip(variables, values)) + list(
+                zip(state, state_values))
             with keras.StatelessScope(state_mapping=mapping) as scope:
                 outputs, scalar = function(*tensors)
             return scalar, (outputs, [scope.get_current_value(v)
                                       for v in state + variables])
 
-        (_, (outputs, updated)), (dx, dw) = jax.value_and_grad(
-            scalar_of, argnums=(0, 1), has_aux=True)(
+        # Compiled as one program: run op by op, each operation of a new
+        # shape is compiled on its own, which takes longer.
+        (_, (outputs, updated)), (dx, dw) = jax.jit(jax.value_and_grad(
+            scalar_of, argnums=(0, 1), has_aux=True))(
                 [keras.ops.convert_to_tensor(t) for t in tensors],
-                [v.value for v in variables])
+                [v.value for v in variables], [v.value for v in state])
         # What the call assigned, trained variables too (a spectral
         # normalization's kernel), as TensorFlow's eager call leaves it.
         for variable, value in zip(state + variables, updated):
@@ -227,13 +259,16 @@ def layer_outputs_and_gradients(layer, inputs, cotangents, training=None,
             given[i] = tensor
         flat = keras.tree.flatten(layer(*given, **kwargs))
         scalar = sum(keras.ops.sum(keras.ops.cast(o, "float32") * c)
-                     for o, c in zip(flat, cotangents))
+                     for o, c in zip(flat, tensors[len(floating):]))
         return flat, scalar
 
+    # The cotangents are arguments too, not constants of the program: on
+    # JAX, B stock layers of one shape then run one compiled program.
     flat, dx, dw = value_and_gradients(
-        forward, [inputs[i] for i in floating], layer.trainable_weights,
-        state=layer.non_trainable_weights)
-    return [np.asarray(o) for o in flat], dx, dw
+        forward, [inputs[i] for i in floating] + [
+            np.asarray(c, "float32") for c in cotangents],
+        layer.trainable_weights, state=layer.non_trainable_weights)
+    return [np.asarray(o) for o in flat], dx[:len(floating)], dw
 
 
 def compare_layer_with_stock(stock_layers, fused, inputs, rng, training=None,
