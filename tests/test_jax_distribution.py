@@ -35,6 +35,7 @@ def test_distributed_array_trains_as_on_one_device(case):
     # in another order.
     tolerance = 1e-6 if case == "models" else 1e-5
     assert report["largest_difference"] <= tolerance, report
+    assert report["largest_change"] > 100 * tolerance, report
     assert report["losses_match"], report
     if case != "data":
         assert report["kernel_spec"][0] == "models", report
