@@ -23,13 +23,14 @@ from hftatf.graph import (
     set_layer_weights,
     weighted_layers,
 )
-from hftatf.model import FusedModel, clone_metrics
+from hftatf.model import FusedModel
 from hftatf.optimizers.stock import copy_state, stock_optimizer
 from hftatf.rewrite import (
     Walker,
     check_no_custom_steps,
     check_no_weights_shared_into_per_model_layers,
 )
+from hftatf.training.model_metrics import clone_metrics
 
 LAYOUTS = ("auto", "batch_first", "models_first")
 

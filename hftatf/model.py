@@ -24,7 +24,6 @@ from hftatf.core.validation import check_backend, check_num_models
 from hftatf.layers import convolutional, layer_state, per_model
 from hftatf.training import divergence, losses, routing, surgery
 from hftatf.training.divergence import ModelStatus
-from hftatf.training.losses import PerModelMean, clone_metrics  # noqa: F401
 from hftatf.training.surgery import set_trainable_flags, trainable_flags
 from hftatf.training.trainer import Trainer
 
@@ -276,8 +275,9 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         # per-model losses and metrics as Keras builds its own. One batch
         # serves both (taking a second from `iterator` would begin a
         # `PyDataset`'s epoch twice).
-        unbuilt = [m for m in (self._model_metrics or []) + (
-            self._model_losses or []) if not m.built]
+        metrics = [] if self._model_metrics is None else [self._model_metrics]
+        unbuilt = [m for m in metrics + (self._model_losses or [])
+                   if not m.built]
         if data_batch is None and unbuilt:
             data_batch = self._batch_for_building(iterator)
         super()._symbolic_build(iterator=iterator, data_batch=data_batch)
@@ -441,6 +441,3 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         return cls(graph.inputs, graph.outputs, num_models=num_models,
                    shared_inputs=shared_inputs, name=graph.name)
 
-
-# Other modules take these from here.
-custom_objects = losses.custom_objects

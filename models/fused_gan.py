@@ -19,7 +19,7 @@ from hftatf.core.compat import (
     unscale_loss_for_distribution,
 )
 from hftatf.core.logs import model_log_name, models_log_name
-from hftatf.model import FusedModel, PerModelMean
+from hftatf.model import FusedModel
 from hftatf.models.gan import (
     DISCRIMINATOR,
     GENERATOR,
@@ -27,6 +27,7 @@ from hftatf.models.gan import (
     gan_losses,
     steps,
 )
+from hftatf.training.losses import PerModelMean
 
 
 @hftatf_export

@@ -31,7 +31,7 @@ from hftatf import passes
 from hftatf.core.axis import concat_models, take_models
 from hftatf.core.logs import expand_model_logs, host_values
 from hftatf.distribution import check_distribution
-from hftatf.training.losses import current_values
+from hftatf.training.model_metrics import current_values
 
 # A copy of an array that the next step, which takes its state over, does
 # not delete: compiled, as an eager copy costs several times more.

@@ -1,10 +1,10 @@
 """Each model's loss and metrics, and the logs that report them.
 
-Every model of an array gets its own `CompileLoss` and `CompileMetrics`,
-what stock `Model.compile` builds, so that its loss and metrics follow the
-stock semantics (string names, nested outputs, loss weights, "accuracy"
-resolution). The logs carry each model's value as `name_b` and the mean
-over the models that have not diverged as `name`.
+Every model of an array gets its own `CompileLoss`, and the compiled
+metrics of `ModelMetrics`: what stock `Model.compile` builds, so that its
+loss and metrics follow the stock semantics (string names, nested outputs,
+loss weights, "accuracy" resolution). The logs carry each model's value as
+`name_b` and the mean over the models that have not diverged as `name`.
 """
 
 import keras
@@ -14,7 +14,6 @@ from hftatf.core import compat
 from hftatf.core.axis import swap_model_axis, take_models
 from hftatf.core.compat import (
     CompileLoss,
-    CompileMetrics,
     get_keras_mask,
     scale_loss_for_distribution,
     unscale_loss_for_distribution,
@@ -26,6 +25,7 @@ from hftatf.core.logs import (
     per_model_mean,
 )
 from hftatf.layers import backends
+from hftatf.training.model_metrics import ModelMetrics, metric_tensor
 
 
 class PerModelMean(keras.metrics.Metric):
@@ -49,57 +49,10 @@ class PerModelMean(keras.metrics.Metric):
         return {**super().get_config(), "num_models": self.num_models}
 
 
-def custom_objects(structure):
-    """The functions and the classes of the objects in `structure` (and
-    the functions that Keras's wrapping losses and metrics hold), by the
-    names their configs give them."""
-    found = {}
-    pending = [structure]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, dict):
-            pending.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            pending.extend(value)
-        elif callable(value) and hasattr(value, "__name__"):
-            found[value.__name__] = value
-        elif value is not None and not isinstance(value, (str, int, float)):
-            found[type(value).__name__] = type(value)
-            pending.extend(getattr(value, name, None)
-                           for name in ("fn", "_fn"))
-    return found
-
-
-def clone_metrics(metrics):
-    """Returns `metrics` with every Metric object replaced by a fresh copy,
-    so that each model of the array keeps its own metric state."""
-
-    def clone(metric):
-        if isinstance(metric, keras.metrics.Metric):
-            # The metric's function or class, if the user's own, need not
-            # be registered with Keras: stock compile takes it as it is.
-            with keras.saving.custom_object_scope(custom_objects(metric)):
-                return type(metric).from_config(metric.get_config())
-        return metric
-
-    return keras.tree.map_structure(clone, metrics, none_is_leaf=True) if (
-        metrics is not None) else None
-
-
 def without_masks(y_pred):
     """Whether no output carries a Keras mask (which mapping over the
     model axis would not carry)."""
     return all(get_keras_mask(t) is None for t in keras.tree.flatten(y_pred))
-
-
-def current_values(scope, variables, values):
-    """The values of `variables` at the end of the `keras.StatelessScope`
-    `scope` (those it did not assign keep `values`)."""
-    new = []
-    for variable, value in zip(variables, values):
-        current = scope.get_current_value(variable)
-        new.append(value if current is None else current)
-    return new
 
 
 def check_reduced(loss):
@@ -120,8 +73,8 @@ def check_reduced(loss):
 class PerModelLosses:
     """Mixin of `FusedModel`: per-model losses, metrics and logs.
 
-    Reads `num_models`, `_model_losses` and `_model_metrics` (one
-    `CompileLoss` and `CompileMetrics` per model, made by `compile`),
+    Reads `num_models`, `_model_losses` (one `CompileLoss` per model) and
+    `_model_metrics` (a `ModelMetrics`), made by `compile`,
     `_model_loss_tracker` (a `PerModelMean`), `_status` (which models
     diverged: their losses log as NaN and their values stay out of the
     means) and `_bad_batch` (kept out of the logs).
@@ -138,11 +91,9 @@ class PerModelLosses:
                 for _ in range(self.num_models)]
         self._model_metrics = None
         if metrics is not None or weighted_metrics is not None:
-            self._model_metrics = [
-                CompileMetrics(clone_metrics(metrics),
-                               clone_metrics(weighted_metrics),
-                               output_names=output_names)
-                for _ in range(self.num_models)]
+            self._model_metrics = ModelMetrics(
+                self.num_models, metrics, weighted_metrics,
+                output_names=output_names)
         self._model_loss_tracker = PerModelMean(self.num_models, name="loss")
 
     def compute_model_losses(self, x=None, y=None, y_pred=None,
@@ -224,59 +175,42 @@ class PerModelLosses:
 
     def _update_model_metrics(self, y, y_pred, sample_weight, training):
         """Updates each model's compiled metrics with its labels,
-        predictions and sample weights: one model's compiled metrics
-        mapped over the models' stacked metric variables
-        (`_map_models`)."""
-        groups = self._model_metrics
-        if len(groups) > 1:
-            self._build_alike(groups, 0, y, y_pred, sample_weight)
-        variables = groups[0].variables
-        if self._metrics_alike() and without_masks(y_pred):
-
-            def update(labels, pred, weights, values):
-                with keras.StatelessScope(
-                        state_mapping=list(zip(variables, values))) as scope:
-                    groups[0].update_state(labels, pred, weights)
-                return current_values(scope, variables, values)
-
+        predictions and sample weights: one model's metrics mapped over the
+        stacked metric variables (`_map_models`), or, where that cannot
+        be, model by model."""
+        metrics = self._model_metrics
+        self._build_alike([metrics], 0, y, y_pred, sample_weight)
+        if metrics.groups is not None:
+            preds = self._model_predictions(y_pred)
+            for index, (group, pred) in enumerate(zip(metrics.groups, preds)):
+                group.update_state(*self._model_targets(
+                    y, y_pred, sample_weight, index, pred, training=training))
+            return
+        values = metrics.values()
+        updated = None
+        if self.num_models > 1 and without_masks(y_pred):
             updated = self._map_models(
-                update, range(self.num_models), y, y_pred, sample_weight,
-                training, self._stacked_metric_values())
-            if updated is not None:
-                for number, values in enumerate(updated):
-                    for group, value in zip(groups, ops.unstack(values)):
-                        group.variables[number].assign(value)
-                return
-        preds = self._model_predictions(y_pred)
-        for index, (metrics, pred) in enumerate(zip(groups, preds)):
-            metrics.update_state(*self._model_targets(
-                y, y_pred, sample_weight, index, pred, training=training))
-
-    def _metrics_alike(self):
-        """Whether the models' compiled metrics (more than one) hold
-        variables of one structure, which one model's metrics can map
-        over: a metric that makes its variables at its first update
-        (F1Score) is first updated model by model."""
-        groups = self._model_metrics or ()
-        variables = groups[0].variables if groups else ()
-        return (len(groups) > 1
-                and all(m.variables for m in groups[0].metrics)
-                and all(len(g.variables) == len(variables) for g in groups))
-
-    def _stacked_metric_values(self):
-        """Each variable of the models' compiled metrics, stacked over the
-        models: `[B, *shape]`."""
-        groups = self._model_metrics
-        return [ops.stack([g.variables[i].value for g in groups])
-                for i in range(len(groups[0].variables))]
+                metrics.updated, range(self.num_models), y, y_pred,
+                sample_weight, training, values)
+        if updated is None:
+            preds = self._model_predictions(y_pred)
+            updated = [ops.stack(model_values) for model_values in zip(*(
+                metrics.updated(*self._model_targets(
+                    y, y_pred, sample_weight, index, pred, training=training),
+                    [value[index] for value in values])
+                for index, pred in enumerate(preds)))]
+        metrics.assign(updated)
 
     def _model_metric_results(self):
         """Each model's compiled metric results (a dict by name per
         model)."""
+        if self._model_metrics is None:
+            return []
         mapped = self._mapped_metric_results()
         if mapped is None:
-            return [group.result() for group in self._model_metrics or []]
-        mapped = {name: ops.unstack(value) for name, value in mapped.items()}
+            return self._model_metrics.model_results()
+        mapped = {name: self._model_values(value)
+                  for name, value in mapped.items()}
         return [{name: values[index] for name, values in mapped.items()}
                 for index in range(self.num_models)]
 
@@ -284,26 +218,15 @@ class PerModelLosses:
         """The models' compiled metric results stacked over the models
         (`{name: [B, ...]}`): one model's `result` mapped over the stacked
         variables, so that the step's program does not compute them model
-        by model; None where the models' metrics are not alike or the
+        by model; None where the models' metrics are held per model or the
         backend does not map them."""
-        if not self._metrics_alike():
+        metrics = self._model_metrics
+        if metrics is None or not metrics.stacked:
             return None
-        groups = self._model_metrics
-        variables = groups[0].variables
-
-        def result(values):
-            with keras.StatelessScope(
-                    state_mapping=list(zip(variables, values))):
-                # A result may be the metric's own variable (the counts of
-                # `TruePositives(thresholds=[...])`).
-                return {name: value.value if isinstance(
-                    value, keras.Variable) else value for name, value
-                    in groups[0].result().items()}
-
-        return self._vectorized_map(result, self._stacked_metric_values())
+        return self._vectorized_map(metrics.results, metrics.values())
 
     def _build_alike(self, objects, index, y, y_pred, sample_weight):
-        """Builds those of `objects` (the models' `CompileMetrics` or
+        """Builds those of `objects` (the models' `ModelMetrics` or
         `CompileLoss`) not built yet on the shapes and dtypes of the
         targets of the model `index` (the first of `y_pred`), which all
         models share: the first update then need not trace each model's,
@@ -396,13 +319,11 @@ class PerModelLosses:
         if self._model_metrics is not None and y is not None:
             # Built from one model's shapes; updated model by model only
             # where a metric makes its variables at its first update.
-            self._build_alike(self._model_metrics, 0, y, y_pred,
-                              sample_weight)
-            if self._metrics_alike():
-                return losses
+            metrics = self._model_metrics
+            self._build_alike([metrics], 0, y, y_pred, sample_weight)
             preds = self._model_predictions(y_pred)
-            for index, metrics in enumerate(self._model_metrics):
-                metrics.update_state(*self._model_targets(
+            for index, group in enumerate(metrics.groups or ()):
+                group.update_state(*self._model_targets(
                     y, y_pred, sample_weight, index, preds[index]))
         return losses
 
@@ -423,10 +344,10 @@ class PerModelLosses:
         metrics = []
         if self.compiled and self._model_loss_tracker is not None:
             metrics.append(self._model_loss_tracker)
-            for group in (self._model_metrics, self._model_losses):
-                for per_model in group or ():
-                    metrics.extend(per_model.metrics if isinstance(
-                        per_model, CompileLoss) else [per_model])
+            if self._model_metrics is not None:
+                metrics.append(self._model_metrics)
+            for per_model in self._model_losses or ():
+                metrics.extend(per_model.metrics)
         metrics.extend(self._user_metrics())
         for layer in compat.inner_layers(self, include_self=False):
             if not isinstance(layer, keras.Model):
@@ -469,7 +390,7 @@ class PerModelLosses:
             index %= self.num_models
             for name, value in model_results.items():
                 per_model.setdefault(name, [None] * self.num_models)
-                per_model[name][index] = _tensor(value)
+                per_model[name][index] = metric_tensor(value)
         return per_model
 
     def _stacked_results(self, loss):
@@ -484,7 +405,7 @@ class PerModelLosses:
         by_name = {}
         for model_results in results:
             for name, value in model_results.items():
-                by_name.setdefault(name, []).append(_tensor(value))
+                by_name.setdefault(name, []).append(metric_tensor(value))
         for name, values in by_name.items():
             per_model[name] = ops.stack(values)
         return per_model
@@ -504,7 +425,7 @@ class PerModelLosses:
         names = []
         for metric in self.metrics:
             for name in ([m.name for m in metric.metrics]
-                         if isinstance(metric, CompileMetrics)
+                         if isinstance(metric, ModelMetrics)
                          else [metric.name]):
                 if name not in names:
                     names.append(name)
@@ -521,14 +442,7 @@ class PerModelLosses:
         array's own per-model trackers there too; they are left out)."""
         own = {id(self._model_loss_tracker), id(self._status),
                id(self._bad_batch)}
-        own.update(id(m) for m in self._model_metrics or ())
+        own.add(id(self._model_metrics))
         own.update(id(m) for m in self._model_losses or ())
         return [m for m in compat.tracked_metrics(self) if id(m) not in own]
 
-
-def _tensor(value):
-    """A metric's result as a tensor: a result may be the metric's own
-    variable (the counts of `TruePositives(thresholds=[...])`)."""
-    if isinstance(value, keras.Variable):
-        value = value.value
-    return ops.convert_to_tensor(value)

@@ -25,7 +25,7 @@ from hftatf.graph import (
     set_layer_weights,
     weighted_layers,
 )
-from hftatf.model import custom_objects
+from hftatf.training.model_metrics import custom_objects
 
 # Compile arguments that the array decides for itself: the optimizer is
 # built per model, and a stock model's `jit_compile` is already resolved
