@@ -286,15 +286,16 @@ def compare_layer_with_stock(stock_layers, fused, inputs, rng, training=None,
     import keras
 
     shared = list(shared or [False] * len(inputs))
-    # The cotangents need the output shapes: one forward pass, whose state
-    # changes (moving statistics) are undone.
-    before = fused.get_weights()
+    # The cotangents need the output shapes, which a symbolic call gives
+    # (on JAX, a call op by op would compile each operation on its own).
     kwargs = dict(call_kwargs)
     if training is not None:
         kwargs["training"] = training
+    specs = fused(*[keras.KerasTensor(
+        np.shape(x), keras.backend.standardize_dtype(np.asarray(x).dtype))
+        for x in inputs], **kwargs)
     cotangents = [rng.standard_normal(o.shape).astype("float32")
-                  for o in keras.tree.flatten(fused(*inputs, **kwargs))]
-    fused.set_weights(before)
+                  for o in keras.tree.flatten(specs)]
     y, dx, dw = layer_outputs_and_gradients(
         fused, inputs, cotangents, training=training, **call_kwargs)
     after = fused.get_weights()

@@ -150,6 +150,8 @@ def test_v2_array_trains_as_stock_models_with_frozen_statistics():
     assert_fit_matches_stock(model, x, y, [0.5, 0.25, 0.1])
 
 
+@pytest.mark.slow  # About 40 s on JAX, where each model's convolutions
+# compile on their own; the other MobileNets here test the same layers.
 def test_v2_array_trains_as_stock_models_in_training_mode():
     # One step on a batch of 16 (see UPDATE_RTOL): gradients through each
     # model's batch statistics, and its moving statistics. Even the loss at
@@ -165,6 +167,7 @@ def test_v3_small_array_trains_as_stock_models():
     assert_fit_matches_stock(tiny("v3_small"), x, y, [0.02, 0.01, 0.005])
 
 
+@pytest.mark.slow  # About a minute on JAX (see above).
 def test_v3_large_array_trains_as_stock_models():
     x, y = images()
     assert_fit_matches_stock(tiny("v3_large"), x, y, [0.005, 0.002, 0.001],
@@ -176,9 +179,9 @@ def test_dropout_draws_per_model():
     array = hftatf.fuse(tiny("v3_small", dropout=0.5), 2)
     # The same weights in both models: only dropout can tell them apart.
     array.set_model_weights(1, array.get_model_weights(0))
-    outputs = np.asarray(array(x, training=False))
+    outputs = compiled_call(array, x, training=False)
     assert_close(outputs[:, 0], outputs[:, 1])
-    outputs = np.asarray(array(x, training=True))
+    outputs = compiled_call(array, x, training=True)
     assert not np.allclose(outputs[:, 0], outputs[:, 1])
 
 

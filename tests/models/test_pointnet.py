@@ -185,6 +185,8 @@ def test_classifier_array_trains_as_stock_models():
     assert_fit_matches_stock(tiny_classifier(), x, y, [0.02, 0.01, 0.005])
 
 
+@pytest.mark.slow  # About 40 s on JAX, whose eager steps compile each
+# operation on its own.
 def test_segmenter_array_trains_as_stock_models():
     x, y = clouds(segmentation=True)
     # Eagerly on every backend: compiled on JAX, XLA's fusions round the
