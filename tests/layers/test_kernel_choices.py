@@ -51,14 +51,17 @@ BATCH = 4
 
 class UnderXLA:
     """Calls `layer` inside `tf.function(jit_compile=True)` (a fresh trace
-    per argument structure), as Keras runs a model compiled with XLA; every
-    other attribute is the layer's."""
+    per argument structure), as Keras runs a model compiled with XLA; a
+    symbolic call (on `keras.KerasTensor`s, for output shapes) and every
+    other attribute are the layer's."""
 
     def __init__(self, layer):
         self.layer = layer
         self.compiled = tf.function(layer, jit_compile=True)
 
     def __call__(self, *args, **kwargs):
+        if any(isinstance(a, keras.KerasTensor) for a in args):
+            return self.layer(*args, **kwargs)
         return self.compiled(*args, **kwargs)
 
     def __getattr__(self, name):
