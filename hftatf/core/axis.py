@@ -11,6 +11,8 @@ Each operation on that axis has one name here:
     split_models       the B per-model tensors of one tensor
     pieces_if_stacked  the B tensors a tensor was stacked from, if it was
     stack_models       B per-model tensors as one tensor
+    stack_values       B per-model eager values (weight slices, results)
+                       as one `[B, ...]` tensor
     map_models         a per-sample function on each model's piece
     take_models        models `start:start + count`
     take_model         model `b`'s slice of a `[B, ...]` weight
@@ -26,6 +28,7 @@ read each model's outputs as they read a stock model's.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from hftatf.core import compat
@@ -196,6 +199,33 @@ def stack_models(pieces, axis=MODEL_AXIS):
     if pieces and all(m is not None for m in masks):
         compat.set_keras_mask(output, stack(masks))
     return output
+
+
+# Values joined by one eager stack at most: see `stack_values`.
+_STACKED_AT_ONCE = 64
+
+
+def stack_values(values):
+    """B per-model values outside any traced step (weight slices drawn
+    one by one, the models' results at the end of an epoch), of one shape,
+    as one `[B, ...]` tensor, bit for bit.
+
+    NumPy values are stacked on the host. Others are stacked
+    `_STACKED_AT_ONCE` at a time, and those stacks joined alike: on JAX an
+    eager stack compiles a program for its number of operands, whose
+    compile time grows faster than that number (10,000 values at once took
+    minutes); stacks of at most 64 reuse a few programs."""
+    values = list(values)
+    if all(isinstance(v, (np.ndarray, np.generic)) for v in values):
+        return np.stack(values)
+    if len(values) <= _STACKED_AT_ONCE:
+        return ops.stack(values)
+    stacks = [ops.stack(values[start:start + _STACKED_AT_ONCE])
+              for start in range(0, len(values), _STACKED_AT_ONCE)]
+    while len(stacks) > 1:
+        stacks = [ops.concatenate(stacks[start:start + _STACKED_AT_ONCE])
+                  for start in range(0, len(stacks), _STACKED_AT_ONCE)]
+    return stacks[0]
 
 
 def map_models(function, tensor, num_models, axis=MODEL_AXIS):

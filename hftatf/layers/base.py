@@ -9,7 +9,7 @@ stock layer computes with weights `w[b]` on input `x[:, b]`.
 import keras
 from keras import ops
 
-from hftatf.core.axis import model_axis_of
+from hftatf.core.axis import model_axis_of, stack_values
 from hftatf.core.validation import check_num_models
 
 
@@ -82,8 +82,8 @@ class StackedInitializer:
         if self.constant is not None:
             return self.constant(tuple(shape), dtype=dtype)
         per_model = tuple(shape[1:])
-        return ops.stack([init(per_model, dtype=dtype)
-                          for init in self.initializers])
+        return stack_values(init(per_model, dtype=dtype)
+                            for init in self.initializers)
 
 
 class Modelwise:

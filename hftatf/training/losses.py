@@ -11,7 +11,7 @@ import keras
 from keras import ops
 
 from hftatf.core import compat
-from hftatf.core.axis import swap_model_axis, take_models
+from hftatf.core.axis import stack_values, swap_model_axis, take_models
 from hftatf.core.compat import (
     CompileLoss,
     get_keras_mask,
@@ -371,7 +371,7 @@ class PerModelLosses:
         for name, values in per_model.items():
             if isinstance(values, list):
                 # A metric may give a vector per model (F1Score per class).
-                logs[name] = per_model_mean(ops.stack(values),
+                logs[name] = per_model_mean(stack_values(values),
                                             self._status.diverged)
                 for index, value in enumerate(values):
                     logs[model_log_name(name, index)] = value
