@@ -1,6 +1,7 @@
 """Helpers shared by the tests: the stock-Keras oracle and tolerances."""
 
 import collections
+import contextlib
 import weakref
 
 import keras
@@ -167,6 +168,25 @@ def _compiled_stateless_call(model_ref, training):
                                           training=training)
 
     return call
+
+
+@contextlib.contextmanager
+def compiled_programs(caplog):
+    """Yields a list that, after the block, holds the number of operands
+    of each program JAX compiled within it (from `jax.log_compiles`, in
+    order); on TensorFlow it stays empty."""
+    operands = []
+    if BACKEND != "jax":
+        yield operands
+        return
+    import jax
+
+    with caplog.at_level("WARNING"), jax.log_compiles():
+        start = len(caplog.records)
+        yield operands
+    operands.extend(r.getMessage().count("ShapedArray(")
+                    for r in caplog.records[start:]
+                    if r.getMessage().startswith("Compiling"))
 
 
 def jaxpr_equations(jaxpr):

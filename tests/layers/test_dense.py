@@ -5,13 +5,12 @@ the same weights into one `FusedDense`, and compares what model `b` of the
 array computes on `x[:, b]` with what stock layer `b` computes on `x[:, b]`.
 """
 
-import contextlib
-
 import keras
 import numpy as np
 import pytest
 from testing import (
     assert_close,
+    compiled_programs,
     layer_outputs_and_gradients,
     moment_tolerance,
 )
@@ -242,7 +241,7 @@ def test_many_seeded_slices_each_equal_the_stock_draw_of_their_seed(caplog):
     fused = FusedDense(num_models, UNITS,
                        kernel_initializer=keras.initializers.GlorotUniform(
                            seed=seed))
-    with caplog.at_level("WARNING"), _compile_log():
+    with compiled_programs(caplog) as operands:
         fused.build((None, num_models, IN_FEATURES))
     for b in (0, 63, 64, 127, 128, num_models - 1):
         stock = keras.layers.Dense(
@@ -251,19 +250,7 @@ def test_many_seeded_slices_each_equal_the_stock_draw_of_their_seed(caplog):
         stock.build((None, IN_FEATURES))
         np.testing.assert_array_equal(fused.get_model_weights(b)[0],
                                       stock.get_weights()[0])
-    operands = [r.getMessage().count("ShapedArray(") for r in caplog.records
-                if r.getMessage().startswith("Compiling")]
     assert max(operands, default=0) <= 64, operands
-
-
-def _compile_log():
-    """`jax.log_compiles()` on JAX (it logs each program compiled, with
-    its operands); nothing elsewhere."""
-    if keras.backend.backend() != "jax":
-        return contextlib.nullcontext()
-    import jax
-
-    return jax.log_compiles()
 
 
 @pytest.mark.parametrize("initializer", [
