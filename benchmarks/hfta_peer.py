@@ -235,12 +235,17 @@ def write(rows, output_dir):
     shown = ("model", "precision", "mode", "num_models",
              "model_samples_per_s", "fused_over_serial", "peak_memory_mib",
              "status")
-    lines = ["| " + " | ".join(shown) + " |",
-             "|" + "---|" * len(shown)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in shown) + " |"
-              for r in rows]
-    (output_dir / "hfta_peer.md").write_text("\n".join(lines) + "\n")
-    return "\n".join(lines)
+    table = _markdown(shown, [[r.get(c, "") for c in shown] for r in rows])
+    (output_dir / "hfta_peer.md").write_text(table + "\n")
+    return table
+
+
+def _markdown(header, rows):
+    """A Markdown table of `header` and the `rows` of cells."""
+    return "\n".join(["| " + " | ".join(header) + " |",
+                      "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(str(c) for c in cells) + " |"
+                        for cells in rows])
 
 
 def _read(path):
@@ -277,7 +282,7 @@ def side_by_side(out_dir):
     header = ("model", "B", "HFTA serial", "HFTA fused", "HFTA ratio",
               "hftatf serial", "hftatf fused", "hftatf ratio",
               "hftatf / HFTA fused")
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    cells = []
     sizes = sorted({(r["model"], int(r["num_models"])) for r in hfta
                     if r["mode"] == "fused"})
     for model, b in sizes:
@@ -285,12 +290,12 @@ def side_by_side(out_dir):
         hfta_fused = _rate(hfta, model, "fused", b, "model_samples_per_s")
         our_serial = _rate(ours, model, "serial", 1, "samples_per_s")
         our_fused = _rate(ours, model, "fused", b, "samples_per_s")
-        cells = [model, str(b), _rate_cell(hfta_serial),
-                 _rate_cell(hfta_fused), _ratio(hfta_fused, hfta_serial),
-                 _rate_cell(our_serial), _rate_cell(our_fused),
-                 _ratio(our_fused, our_serial), _ratio(our_fused, hfta_fused)]
-        lines.append("| " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
+        cells.append([model, b, _rate_cell(hfta_serial),
+                      _rate_cell(hfta_fused), _ratio(hfta_fused, hfta_serial),
+                      _rate_cell(our_serial), _rate_cell(our_fused),
+                      _ratio(our_fused, our_serial),
+                      _ratio(our_fused, hfta_fused)])
+    table = _markdown(header, cells)
     (out_dir / "side_by_side.md").write_text(table + "\n")
     print(table)
 
