@@ -30,7 +30,6 @@ def load(path):
         return [data[k] for k in sorted(data, key=lambda k: int(k[4:]))]
 
 
-@pytest.mark.slow
 def test_killed_run_resumes_to_the_uninterrupted_weights(tmp_path):
     whole = run(tmp_path / "whole_backup", tmp_path / "whole.npz")
     assert whole.returncode == 0, whole.stderr[-3000:]

@@ -17,8 +17,9 @@ SCRIPT = pathlib.Path(__file__).with_name("distributed_training.py")
 
 
 def run(case):
-    env = dict(os.environ, KERAS_BACKEND="jax",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    flags = os.environ.get("XLA_FLAGS", "")
+    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=(
+        f"{flags} --xla_force_host_platform_device_count=4".strip()))
     result = subprocess.run(
         [sys.executable, str(SCRIPT), case], env=env, capture_output=True,
         text=True, timeout=600)

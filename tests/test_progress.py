@@ -52,7 +52,7 @@ class Recorder(keras.callbacks.Callback):
 
 
 @pytest.mark.parametrize("num_models", [
-    1, 8, pytest.param(100, marks=pytest.mark.slow)])
+    1, 8, 100])
 def test_every_line_fits_the_terminal(num_models, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
     x, y = data()

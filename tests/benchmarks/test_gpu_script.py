@@ -15,7 +15,6 @@ SCRIPT = ROOT / "benchmarks" / "gpu.sh"
 COLUMNS_START = ("model", "mode", "num_models", "batch_size")
 
 
-@pytest.mark.slow
 @pytest.mark.backends("jax", reason="gpu.sh sets KERAS_BACKEND=jax itself: "
                       "a run under the TensorFlow suite would repeat it")
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
