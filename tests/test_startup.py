@@ -47,6 +47,7 @@ def notes(stderr):
             if line.startswith(("I0000", "I1", "W0000"))]
 
 
+@pytest.mark.slow
 def test_a_launcher_starts_without_tensorflows_notes():
     quiet = run_probe("hftatf-train", "--epochs=1")
     assert quiet.returncode == 0, quiet.stderr[-2000:]
@@ -96,6 +97,7 @@ def test_warnings_and_errors_are_kept():
         text.splitlines(keepends=True)[2:])
 
 
+@pytest.mark.slow
 def test_the_launcher_command_runs_quietly(tmp_path):
     env = tensorflow_environ()
     result = subprocess.run(

@@ -17,6 +17,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 TIMEOUT_S = 600
 
+pytestmark = pytest.mark.slow
+
 TINY_RUN = ["--model=mlp", "--model_args=hidden_units=[16]", "--export_dir=",
             "--verbose=0"]
 

@@ -254,6 +254,7 @@ def test_only_completed_trials_are_exported(tmp_path):
                       .read_text())["trial"] == "1"
 
 
+@pytest.mark.slow
 def test_local_cluster_runs_a_chief_and_workers(tmp_path):
     output = subprocess.run(
         [sys.executable, "-m", "hftatf.tpu.tune", "--local_workers=2",

@@ -47,6 +47,7 @@ def test_launch_stops_everything_when_a_worker_fails(tmp_path):
         distributed.launch(command, num_workers=1, timeout=30)
 
 
+@pytest.mark.slow
 def test_every_trial_of_the_space_runs_once_across_two_workers(tmp_path):
     codes = distributed.launch(
         [sys.executable, SCRIPT, str(tmp_path), "2"], num_workers=2,
