@@ -11,18 +11,19 @@ def quiet():
     """JAX prints nothing per traced function: nothing to quiet."""
 
 
-def matmul_peak(size=2048, seconds=2.0):
-    """The device's measured float32 matmul rate (FLOP/s): the best of
+def matmul_peak(size=2048, seconds=2.0, dtype="float32"):
+    """The device's measured matmul rate (FLOP/s) in `dtype`: the best of
     repeated `size x size` products under `jax.jit` (JAX always compiles
     with XLA), on JAX's default device, at the default matmul precision
-    (TF32 on Ampere and later GPUs, as stock Keras on JAX computes).
+    (float32 products in TF32 on Ampere and later GPUs, as stock Keras on
+    JAX computes them).
 
     Returns:
         `(flops_per_second, details)`.
     """
     rng = np.random.default_rng(0)
-    a = jax.numpy.asarray(rng.standard_normal((size, size)), "float32")
-    b = jax.numpy.asarray(rng.standard_normal((size, size)), "float32")
+    a = jax.numpy.asarray(rng.standard_normal((size, size)), dtype)
+    b = jax.numpy.asarray(rng.standard_normal((size, size)), dtype)
     product = jax.jit(lambda x, y: jax.numpy.sum(x @ y))
     product(a, b).block_until_ready()
     times, deadline = [], time.perf_counter() + seconds
@@ -30,7 +31,18 @@ def matmul_peak(size=2048, seconds=2.0):
         start = time.perf_counter()
         product(a, b).block_until_ready()
         times.append(time.perf_counter() - start)
-    return 2.0 * size**3 / min(times), f"{size}x{size} float32 matmul, xla"
+    return 2.0 * size**3 / min(times), f"{size}x{size} {dtype} matmul, xla"
+
+
+def peak_device_mb():
+    """The peak memory JAX allocated on its devices so far (MiB, the
+    largest over them), or None where they report none (a CPU). JAX
+    reserves most of a GPU's memory up front; this is what was in use."""
+    peaks = [(device.memory_stats() or {}).get("peak_bytes_in_use")
+             for device in jax.local_devices()]
+    if any(peak is None for peak in peaks):
+        return None
+    return max(peaks) / 2**20
 
 
 def train_step_flops(model, batch):

@@ -15,8 +15,8 @@ def quiet():
     tf.get_logger().setLevel("ERROR")
 
 
-def matmul_peak(size=2048, seconds=2.0):
-    """The device's measured float32 matmul rate (FLOP/s): the best of
+def matmul_peak(size=2048, seconds=2.0, dtype="float32"):
+    """The device's measured matmul rate (FLOP/s) in `dtype`: the best of
     repeated `size x size` products, with and without XLA, on the device
     TensorFlow places them on.
 
@@ -24,8 +24,8 @@ def matmul_peak(size=2048, seconds=2.0):
         `(flops_per_second, details)`, details naming the best setting.
     """
     rng = np.random.default_rng(0)
-    a = tf.constant(rng.standard_normal((size, size)), "float32")
-    b = tf.constant(rng.standard_normal((size, size)), "float32")
+    a = tf.constant(rng.standard_normal((size, size)), dtype)
+    b = tf.constant(rng.standard_normal((size, size)), dtype)
     flops = 2.0 * size**3
     best = {}
     for jit in (False, True):
@@ -39,7 +39,15 @@ def matmul_peak(size=2048, seconds=2.0):
             times.append(time.perf_counter() - start)
         best[jit] = flops / min(times)
     jit = max(best, key=best.get)
-    return best[jit], f"{size}x{size} float32 matmul, xla={jit}"
+    return best[jit], f"{size}x{size} {dtype} matmul, xla={jit}"
+
+
+def peak_device_mb():
+    """The peak memory TensorFlow allocated on its first GPU so far (MiB),
+    or None without a GPU."""
+    if not tf.config.list_logical_devices("GPU"):
+        return None
+    return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
 
 
 def train_step_flops(model, batch):

@@ -2,30 +2,48 @@
 # One command for a machine with JAX and CUDA and no TensorFlow: checks the
 # GPU, runs the tests marked `gpu` on the JAX backend, then the training
 # benchmark (serial stock Keras vs the fused array, XLA) for the zoo's
-# MLP, ResNet-18, MobileNetV3-small, PointNet, BERT-tiny and Transformer at
-# B = 1, 8, 32. Writes results.csv, results.md and speedup PNGs to
-# $OUT_DIR (default gpu_results/); $MODES picks the modes (default
-# serial,fused). See benchmarks/README.md for the wheels to carry there.
+# MLP, ResNet-18, PointNet, MobileNetV3-small, BERT-tiny and Transformer
+# at B = 1, 8, 32, in that order, within a time budget. Writes results.csv,
+# results.md and speedup PNGs to $OUT_DIR (default gpu_results/$DTYPE_POLICY).
+# See benchmarks/README.md for the wheels to carry there.
 #
-#   benchmarks/gpu.sh             # the full run (under 10 minutes, H200)
+#   benchmarks/gpu.sh             # the full run (under 10 minutes)
 #   benchmarks/gpu.sh --dry-run   # tiny sizes on any device (CPU too)
+#
+# Settings (environment): DTYPE_POLICY (float32, the default, with TF32 as
+# stock Keras on JAX uses it; or mixed_bfloat16), MODES (serial,fused),
+# MODELS, BUDGET (seconds of measurements started: 360; what is not
+# measured by then is left out of the table), TESTS (1: run the gpu tests
+# first; 0: not). The serial mode times 2 stock models at each B and
+# scales their time to B (--serial_models); the workers share one JAX
+# compilation cache, so a stock model's program compiles once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KERAS_BACKEND=jax
-OUT_DIR=${OUT_DIR:-gpu_results}
+DTYPE_POLICY=${DTYPE_POLICY:-float32}
+OUT_DIR=${OUT_DIR:-gpu_results/$DTYPE_POLICY}
 MODES=${MODES:-serial,fused}
-MODELS=mlp,resnet18,mobilenet_v3_small,pointnet,bert_tiny,transformer_lm
+MODELS=${MODELS:-mlp,resnet18,pointnet,mobilenet_v3_small,bert_tiny,transformer_lm}
+BUDGET=${BUDGET:-360}
+TESTS=${TESTS:-1}
 SIZES=1,8,32
-EXTRA=(--epochs 3 --warmup_steps 3 --epoch_seconds 2 --timeout 240)
+EXTRA=(--epochs 3 --warmup_steps 3 --epoch_seconds 1 --timeout 120
+       --serial_models 2)
 DEVICE=gpu
 if [[ "${1:-}" == "--dry-run" ]]; then
   # The same steps at the smallest sizes, on whatever device JAX has.
   MODELS=mlp
-  SIZES=1,2
+  SIZES=1,2,4
   EXTRA=(--quick --steps 2 --data_batches 2 --batch_size 8 --peak_size 64
-         --peak_seconds 0.1 --timeout 300)
+         --peak_seconds 0.1 --timeout 300 --serial_models 2)
   DEVICE=any
 fi
+if [[ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]]; then
+  JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
+export JAX_COMPILATION_CACHE_DIR
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
 
 python - "$DEVICE" <<'PY'
 import sys
@@ -42,12 +60,12 @@ except ImportError:
     print("TensorFlow: not installed (as expected).")
 PY
 
-if [[ "$DEVICE" == gpu ]]; then
+if [[ "$DEVICE" == gpu && "$TESTS" == 1 ]]; then
   HFTATF_TEST_GPU=1 python -m pytest -p no:xdist -q -m gpu tests
 fi
 
 python -m benchmarks.run --backend jax --model "$MODELS" \
   --num_models "$SIZES" --modes "$MODES" --output_dir "$OUT_DIR" \
-  "${EXTRA[@]}"
+  --dtype_policy "$DTYPE_POLICY" --time_budget "$BUDGET" "${EXTRA[@]}"
 echo "benchmarks/gpu.sh: results in $OUT_DIR/ (results.csv, results.md," \
      "speedup*.png)"

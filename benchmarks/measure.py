@@ -1,7 +1,8 @@
-"""Measuring tools of the training benchmark: epoch timing, peak memory,
-the device's matmul peak, and the FLOPs of a training step read from XLA.
+"""Measuring tools of the training benchmark: epoch timing, peak memory
+(the process's, and the accelerator's), the device's matmul peak, and the
+FLOPs of a training step read from XLA.
 
-The last two run on the Keras backend's own framework: they come from
+The last three run on the Keras backend's own framework: they come from
 `device_tensorflow` or `device_jax`, chosen here once.
 """
 
@@ -16,12 +17,14 @@ from benchmarks.hlo import hlo_flops  # noqa: F401
 if keras.backend.backend() == "tensorflow":
     from benchmarks.device_tensorflow import (  # noqa: F401
         matmul_peak,
+        peak_device_mb,
         quiet,
         train_step_flops,
     )
 else:
     from benchmarks.device_jax import (  # noqa: F401
         matmul_peak,
+        peak_device_mb,
         quiet,
         train_step_flops,
     )

@@ -29,7 +29,13 @@ speedups are the medians of the ratios of measurements made side by side.
 A measurement that runs past `--timeout` is recorded as timed out, and one
 whose worker crashes as failed (its error is printed); neither has a
 throughput or a speedup, and the run goes on. The run exits with status 1
-when a measurement failed.
+when a measurement failed. On a time budget (a borrowed accelerator):
+`--time_budget` starts no measurement after that many seconds and reports
+what was measured; `--serial_models K` times K stock models of the serial
+mode once and scales their time to each B. `--dtype_policy` trains the
+stock models and the array alike under a Keras mixed-precision policy;
+where the device reports its own memory (a GPU), each mode's peak there is
+recorded too.
 
     python -m benchmarks.run --quick
     python -m benchmarks.run --backend jax --quick --num_models 8
@@ -99,6 +105,7 @@ def probe_model(args, name, base):
                          "jit_settings": settings,
                          "peak_size": args.peak_size,
                          "peak_seconds": args.peak_seconds}, args.timeout)
+    # Measured in the dtype policy's compute dtype (`matmul_peak`).
     seconds = {jit == "true": _median(times) / probe_steps
                for jit, times in result["jit"].items()}
     jit = min(seconds, key=seconds.get)
@@ -116,10 +123,15 @@ def probe_model(args, name, base):
             "stock_seconds": seconds}
 
 
-def measure_mode(args, mode, num_models, spec):
+def measure_mode(args, mode, num_models, spec, serial=None):
     """`(seconds per round, processor seconds per round, peak RSS MiB,
-    jit, models per pass)`: a round is `steps` steps of each of the B
-    models; models per pass is None for the stock modes.
+    peak device MiB, jit, models per pass)`: a round is `steps` steps of
+    each of the B models; models per pass is None for the stock modes, and
+    peak device memory None where the device does not report it (a CPU).
+
+    The serial mode trains `_serial_count` stock models and scales their
+    time to B; `serial`, where given, keeps its measurements by that count
+    for the next B (`--serial_models`).
 
     Every mode times epochs alike: each process's median epoch. Raises
     `subprocess.TimeoutExpired` when the mode did not finish within
@@ -127,13 +139,22 @@ def measure_mode(args, mode, num_models, spec):
     mode: under no `jit_compile` setting; a crash wins over a timeout).
     """
     if mode == "serial":
-        result = run_worker({**spec, "task": "serial",
-                             "num_models": num_models}, args.timeout)
-        seconds = sum(_median(epochs)
-                      for epochs in result["model_epoch_seconds"])
-        cpu_seconds = sum(_median(epochs)
-                          for epochs in result["model_epoch_cpu_seconds"])
-        return (seconds, cpu_seconds, result["peak_rss_mb"],
+        count = _serial_count(args, num_models)
+        if serial is None or count not in serial:
+            result = run_worker({**spec, "task": "serial",
+                                 "num_models": count}, args.timeout)
+            timed = (sum(_median(epochs)
+                         for epochs in result["model_epoch_seconds"]),
+                     sum(_median(epochs)
+                         for epochs in result["model_epoch_cpu_seconds"]),
+                     result["peak_rss_mb"], result.get("peak_device_mb"))
+            if serial is not None:
+                serial[count] = timed
+        else:
+            timed = serial[count]
+        seconds, cpu_seconds, rss, device = timed
+        scale = num_models / count
+        return (seconds * scale, cpu_seconds * scale, rss, device,
                 spec["jit_compile"], None)
     if mode == "concurrent":
         results = run_concurrent(spec, num_models, args.timeout)
@@ -143,8 +164,9 @@ def measure_mode(args, mode, num_models, spec):
         rate = sum(1.0 / _median(r["epoch_seconds"]) for r in results)
         cpu_seconds = sum(_median(r["epoch_cpu_seconds"]) for r in results)
         return (num_models / rate, cpu_seconds,
-                sum(r["peak_rss_mb"] for r in results), spec["jit_compile"],
-                None)
+                sum(r["peak_rss_mb"] for r in results),
+                _total(r.get("peak_device_mb") for r in results),
+                spec["jit_compile"], None)
     settings = (_best_settings(args) if args.fused_jit == "best"
                 else [spec["fused_jit_compile"]])
     best, timeout, error = None, args.timeout, None
@@ -171,14 +193,34 @@ def measure_mode(args, mode, num_models, spec):
         seconds = _median(result["epoch_seconds"])
         if best is None or seconds < best[0]:
             best = (seconds, _median(result["epoch_cpu_seconds"]),
-                    result["peak_rss_mb"], result["jit_compile"],
-                    result.get("models_per_pass"))
+                    result["peak_rss_mb"], result.get("peak_device_mb"),
+                    result["jit_compile"], result.get("models_per_pass"))
         # The other setting gets a few times as long as this one took.
         timeout = min(args.timeout, max(
             120.0, 3 * (time.perf_counter() - started)))
     if best is None:
         raise error
     return best
+
+
+def _serial_count(args, num_models):
+    """How many stock models the serial mode trains at B (`--serial_models`:
+    B, or at most that many)."""
+    if args.serial_models == "all":
+        return num_models
+    return min(num_models, args.serial_models)
+
+
+def _total(values):
+    """The sum of `values`, or None where one of them is None."""
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _past_budget(args):
+    """Whether the run is past `--time_budget`: measurements not started
+    by then are left out."""
+    return args.deadline is not None and time.monotonic() > args.deadline
 
 
 def _models_per_pass(setting, num_models):
@@ -207,7 +249,12 @@ def benchmark_model(args, name, failed):
             "fused_jit_compile": {"auto": "auto", "true": True,
                                   "false": False}.get(args.fused_jit),
             "steps_per_execution": args.steps_per_execution,
-            "stock_steps_per_execution": args.stock_steps_per_execution}
+            "stock_steps_per_execution": args.stock_steps_per_execution,
+            "dtype_policy": args.dtype_policy}
+    if _past_budget(args):
+        print(f"[{name}] left out: past --time_budget "
+              f"{args.time_budget:.0f} s", flush=True)
+        return
     try:
         probe = probe_model(args, name, base)
     except subprocess.TimeoutExpired:
@@ -222,6 +269,9 @@ def benchmark_model(args, name, failed):
     spec = {**base, "steps": probe["steps"],
             "jit_compile": probe["jit_compile"]}
     work = spec["steps"] * args.batch_size
+    # The serial mode's measurements of each repeat, by model count, where
+    # --serial_models times fewer than B models.
+    serial = [{} for _ in range(args.repeats)]
     for num_models in args.num_models:
         spec_b = {**spec, "models_per_pass": _models_per_pass(
             args.models_per_pass, num_models)}
@@ -229,9 +279,15 @@ def benchmark_model(args, name, failed):
         for repeat in range(args.repeats):
             shift = repeat % len(args.modes)
             for mode in args.modes[shift:] + args.modes[:shift]:
+                if _past_budget(args):
+                    print(f"[{name}] B={num_models:<3} {mode:<10} left "
+                          f"out: past --time_budget {args.time_budget:.0f} "
+                          "s", flush=True)
+                    continue
                 try:
-                    seconds, cpu_seconds, rss, jit, per_pass = measure_mode(
-                        args, mode, num_models, spec_b)
+                    (seconds, cpu_seconds, rss, device, jit,
+                     per_pass) = measure_mode(args, mode, num_models,
+                                              spec_b, serial[repeat])
                 except subprocess.TimeoutExpired:
                     print(f"[{name}] B={num_models:<3} {mode:<10} timed out "
                           f"after {args.timeout:.0f} s", flush=True)
@@ -246,13 +302,22 @@ def benchmark_model(args, name, failed):
                 measured[mode].append((num_models * work / seconds, rss, jit,
                                        os.getloadavg()[0],
                                        num_models * work / cpu_seconds,
-                                       per_pass))
+                                       per_pass, device))
+                on_device = ("" if device is None
+                             else f"  {device:8.0f} device MiB")
                 print(f"[{name}] B={num_models:<3} {mode:<10} "
                       f"{num_models * work / seconds:10.1f} samples/s  "
-                      f"{rss:8.0f} MiB", flush=True)
+                      f"{rss:8.0f} MiB{on_device}", flush=True)
+        if not any(measured.values()):
+            return
         yield [_row(args, name, mode, num_models, values,
                     measured.get("serial"), probe)
-               for mode, values in measured.items()]
+               for mode, values in measured.items() if values]
+
+
+def _median_or_none(values):
+    """The median of `values`, or None where the device reported none."""
+    return None if any(v is None for v in values) else _median(values)
 
 
 def _row(args, name, mode, num_models, values, serial, probe):
@@ -264,7 +329,10 @@ def _row(args, name, mode, num_models, values, serial, probe):
            "batch_size": args.batch_size, "steps": probe["steps"],
            "epochs": args.epochs, "repeats": len(done),
            "timeouts": values.count(TIMED_OUT),
-           "failures": values.count(FAILED)}
+           "failures": values.count(FAILED),
+           "dtype_policy": args.dtype_policy}
+    if mode == "serial":
+        row["serial_models_timed"] = _serial_count(args, num_models)
     flops, peak = probe["step_flops"], probe["matmul_peak_flops"]
     row["matmul_peak_gflop_per_s"] = peak / 1e9
     if not done:
@@ -275,6 +343,7 @@ def _row(args, name, mode, num_models, values, serial, probe):
                 "samples_per_s": rate,
                 "samples_per_s_min": low, "samples_per_s_max": high,
                 "peak_rss_mb": _median([v[1] for v in done]),
+                "peak_device_mb": _median_or_none([v[6] for v in done]),
                 "load_average": _median([v[3] for v in done]),
                 "cpu_samples_per_s": _median([v[4] for v in done])})
     # Ratios of measurements made side by side, where both finished.
@@ -305,6 +374,8 @@ def main(argv=None):
                 f"--report_only: no results in {directory / 'results.csv'}.")
         return report(rows, directory)
     _check_writable(directory)
+    args.deadline = (None if args.time_budget is None
+                     else time.monotonic() + args.time_budget)
     rows = []
     failed = []
     if args.append:
@@ -320,7 +391,7 @@ def main(argv=None):
         raise SystemExit(
             "Nothing was measured: every probe ran past --timeout "
             f"{args.timeout:.0f} s or failed (" + "; ".join(failed)
-            + "); see above.")
+            + "), or the run was past --time_budget; see above.")
     rows = report(rows, directory)
     if failed:
         raise SystemExit(

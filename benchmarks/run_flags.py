@@ -13,6 +13,9 @@ from benchmarks.flags import parse_overrides
 
 MODES = ("serial", "concurrent", "fused")
 
+# The Keras dtype policies --dtype_policy takes.
+DTYPE_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+
 # What --quick sets, where the command line does not.
 QUICK_DEFAULTS = {"num_models": "1,2,4", "epochs": 2, "warmup_steps": 2,
                   "epoch_seconds": 0.5}
@@ -71,6 +74,23 @@ def parse_args(argv):
                              "fewer models takes them all in one pass)")
     parser.add_argument("--stock_steps_per_execution", type=int, default=1,
                         help="of the stock models")
+    parser.add_argument("--serial_models", default="all",
+                        help="stock models the serial mode trains one "
+                             "after another: 'all' (B at each B), or at "
+                             "most this many, timed once and their time "
+                             "scaled to each B (every one is the same "
+                             "program on the same batches; for a run on a "
+                             "time budget)")
+    parser.add_argument("--dtype_policy", default="float32",
+                        choices=DTYPE_POLICIES,
+                        help="Keras dtype policy of the stock models and "
+                             "the array alike; the matmul peak is measured "
+                             "in its compute dtype")
+    parser.add_argument("--time_budget", type=float, default=None,
+                        help="seconds: a measurement not started within "
+                             "this time of the run's start is left out, "
+                             "and the table and plots show what was "
+                             "measured")
     parser.add_argument("--model_args", default="",
                         help="builder arguments over the recipe's, as "
                              "name=value pairs (tuples as (a;b))")
@@ -114,8 +134,8 @@ def parse_args(argv):
         args.backend = backends.apply(args.backend)
     except ValueError as error:
         parser.error(str(error))
-    for name in ("epoch_seconds", "timeout"):
-        if not getattr(args, name) > 0:
+    for name in ("epoch_seconds", "timeout", "time_budget"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
             parser.error(f"--{name} must be a positive number of seconds; "
                          f"received {getattr(args, name)}")
     args.models = _models(parser, args.model)
@@ -124,33 +144,36 @@ def parse_args(argv):
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown --modes {unknown}; known: {list(MODES)}")
-    if args.steps != "auto":
-        try:
-            args.steps = int(args.steps)
-        except ValueError:
-            parser.error(f"--steps must be 'auto' or an integer; received "
-                         f"{args.steps!r}")
-        if args.steps < 1:
-            parser.error(f"--steps must be 'auto' or at least 1; received "
-                         f"{args.steps}")
+    args.steps = _count_or(parser, "--steps", args.steps, ("auto",))
     # Whole executions only: a shorter last one would trace anew.
     args.execution = math.lcm(args.steps_per_execution,
                               args.stock_steps_per_execution)
     args.warmup_steps = whole_executions(args.warmup_steps, args.execution)
     if args.steps != "auto":
         args.steps = whole_executions(args.steps, args.execution)
-    if args.models_per_pass not in ("auto", "all"):
-        try:
-            args.models_per_pass = int(args.models_per_pass)
-        except ValueError:
-            parser.error("--models_per_pass must be 'auto', 'all' or an "
-                         f"integer; received {args.models_per_pass!r}")
-        if args.models_per_pass < 1:
-            parser.error("--models_per_pass must be 'auto', 'all' or at "
-                         f"least 1; received {args.models_per_pass}")
+    args.models_per_pass = _count_or(parser, "--models_per_pass",
+                                     args.models_per_pass, ("auto", "all"))
+    args.serial_models = _count_or(parser, "--serial_models",
+                                   args.serial_models, ("all",))
     args.model_args = parse_overrides(args.model_args)
     args.data_args = parse_overrides(args.data_args)
     return args
+
+
+def _count_or(parser, flag, value, words):
+    """`value` as an integer of at least 1, or one of `words` as it is."""
+    if value in words:
+        return value
+    allowed = ", ".join(repr(word) for word in words)
+    try:
+        count = int(value)
+    except ValueError:
+        parser.error(f"{flag} must be {allowed} or an integer; received "
+                     f"{value!r}")
+    if count < 1:
+        parser.error(f"{flag} must be {allowed} or at least 1; received "
+                     f"{count}")
+    return count
 
 
 def _models(parser, text):

@@ -15,7 +15,7 @@ COLUMNS = (
     "speedup_min", "speedup_max",
     "cpu_samples_per_s", "cpu_speedup", "peak_rss_mb", "step_gflop",
     "gflop_per_s", "matmul_peak_gflop_per_s", "percent_of_peak",
-    "load_average",
+    "load_average", "peak_device_mb", "serial_models_timed", "dtype_policy",
 )
 
 
@@ -61,7 +61,11 @@ def markdown_table(rows):
     """The rows as a Markdown table, one line per model and B: each mode's
     throughput, the fused and concurrent speedups over serial (wall-clock,
     then in processor time), the peak memory of each mode, and the fused
-    array's share of the matmul peak."""
+    array's share of the matmul peak; where the device reports its own
+    memory (a GPU), each mode's peak there (the serial mode's is one stock
+    model's: it trains them one at a time) and the array's against B
+    stock models'. Notes under the table say where the serial mode timed
+    fewer than B models, and the dtype policy other than float32."""
     modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
     header = (["model", "B"] + [f"{m} samples/s" for m in modes]
               + [f"{m} speedup" for m in modes if m != "serial"]
@@ -69,6 +73,11 @@ def markdown_table(rows):
               + [f"{m} MiB" for m in modes] + ["fused % of peak",
                                                "fused XLA",
                                                "fused models/pass"])
+    on_device = any(r.get("peak_device_mb") is not None for r in rows)
+    if on_device:
+        header += ([("serial device MiB (one model)" if m == "serial"
+                     else f"{m} device MiB") for m in modes]
+                   + ["fused device memory / B stock models'"])
     lines = ["| " + " | ".join(header) + " |",
              "|" + "---|" * len(header)]
     keys = sorted({(r["model"], r["num_models"]) for r in rows},
@@ -88,8 +97,35 @@ def markdown_table(rows):
                  + [_format(fused.get("percent_of_peak"), 1),
                     _format(fused.get("jit_compile")),
                     _format(fused.get("models_per_pass"))])
+        if on_device:
+            serial = by_mode.get("serial", {}).get("peak_device_mb")
+            cells += [_format(by_mode.get(m, {}).get("peak_device_mb"), 0)
+                      for m in modes]
+            cells.append("-" if serial is None or fused.get(
+                "peak_device_mb") is None else _format(
+                    fused["peak_device_mb"] / (num_models * serial), 2))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _notes(rows)) + "\n"
+
+
+def _notes(rows):
+    """The lines under the table: serial modes that timed fewer than B
+    models, and a dtype policy other than float32."""
+    notes = []
+    scaled = sorted({r["serial_models_timed"] for r in rows
+                     if r.get("serial_models_timed") is not None
+                     and r["serial_models_timed"] < r["num_models"]})
+    if scaled:
+        notes.append(
+            f"\nserial: {', '.join(str(n) for n in scaled)} stock "
+            "model(s) timed one after another, their time scaled to B "
+            "(`--serial_models`: each is the same program on the same "
+            "batches).")
+    policies = sorted({r["dtype_policy"] for r in rows
+                       if r.get("dtype_policy") not in (None, "float32")})
+    if policies:
+        notes.append(f"\ndtype policy: {', '.join(policies)}.")
+    return notes
 
 
 def _order(rows, model):
@@ -118,7 +154,7 @@ def read_csv(path):
             for key, value in row.items():
                 if value == "":
                     parsed[key] = None
-                elif key in ("model", "mode"):
+                elif key in ("model", "mode", "dtype_policy"):
                     parsed[key] = value
                 elif key == "jit_compile":
                     parsed[key] = value == "True"
@@ -130,7 +166,8 @@ def read_csv(path):
                     number = float(value)
                     parsed[key] = int(number) if key in (
                         "num_models", "batch_size", "steps", "epochs",
-                        "repeats", "timeouts", "failures") else number
+                        "repeats", "timeouts", "failures",
+                        "serial_models_timed") else number
             rows.append(parsed)
     return rows
 

@@ -8,7 +8,8 @@ SPEC_JSON names the `task` and the workload (`model`, `batch_size`,
 * `probe`: one stock model trained with each `jit_settings` (XLA off, then
   on, by default; `epochs` timed epochs each); also the FLOPs of its
   training step and the device's matmul peak (`peak_size`,
-  `peak_seconds`). The run picks the stock setting from it.
+  `peak_seconds`, in the dtype policy's compute dtype). The run picks the
+  stock setting from it.
 * `serial`: `num_models` stock models trained with `fit` one after another
   (`jit_compile` as given).
 * `single`: one stock model, for the concurrent mode: it warms up, prints
@@ -19,8 +20,13 @@ SPEC_JSON names the `task` and the workload (`model`, `batch_size`,
 
 Stock models are compiled with `stock_steps_per_execution` (default 1).
 
+Every task builds its models under the Keras dtype policy `dtype_policy`
+(default float32).
+
 The last line printed is `RESULT <json>`: epoch timings (wall-clock and
-processor seconds), `peak_rss_mb`, and what the task measured.
+processor seconds), `peak_rss_mb`, `peak_device_mb` (the accelerator's
+peak allocation, None where the device reports none, as a CPU), and what
+the task measured.
 """
 
 import json
@@ -71,7 +77,8 @@ def probe(spec):
                                    for w in model.weights))
     result["matmul_peak_flops"], result["matmul_peak"] = (
         measure.matmul_peak(spec.get("peak_size", 2048),
-                            spec.get("peak_seconds", 2.0)))
+                            spec.get("peak_seconds", 2.0),
+                            keras.config.dtype_policy().compute_dtype))
     return result
 
 
@@ -137,8 +144,11 @@ def main(argv=None):
         raise SystemExit("usage: python -m benchmarks.worker SPEC_JSON")
     spec = json.loads(argv[0])
     measure.quiet()
+    # Before any model is built: the stock models and the array alike.
+    keras.config.set_dtype_policy(spec.get("dtype_policy", "float32"))
     result = TASKS[spec["task"]](spec)
     result["peak_rss_mb"] = measure.peak_rss_mb()
+    result["peak_device_mb"] = measure.peak_device_mb()
     print(RESULT_PREFIX + json.dumps(result), flush=True)
 
 

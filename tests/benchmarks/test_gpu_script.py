@@ -32,14 +32,19 @@ def test_dry_run_writes_csv_markdown_and_plots(tmp_path):
         rows = list(csv.DictReader(file))
     assert tuple(rows[0])[:4] == COLUMNS_START
     assert [(r["model"], r["mode"], r["num_models"]) for r in rows] == [
-        ("mlp", mode, size) for size in "12" for mode in ("serial", "fused")]
+        ("mlp", mode, size) for size in "124" for mode in ("serial", "fused")]
     assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    # Two stock models timed, scaled to B = 4; float32 by default.
+    assert [r["serial_models_timed"] for r in rows
+            if r["mode"] == "serial"] == ["1", "2", "2"]
+    assert {r["dtype_policy"] for r in rows} == {"float32"}
     assert all(float(r["speedup"]) > 0 for r in rows if r["mode"] == "fused")
     markdown = (tmp_path / "results.md").read_text().splitlines()
     assert markdown[0].startswith(
         "| model | B | serial samples/s | fused samples/s | fused speedup")
-    assert [line.split(" | ")[:2] for line in markdown[2:]] == [
-        ["| mlp", "1"], ["| mlp", "2"]]
+    assert [line.split(" | ")[:2] for line in markdown[2:5]] == [
+        ["| mlp", "1"], ["| mlp", "2"], ["| mlp", "4"]]
+    assert "serial: 2 stock model(s) timed" in markdown[6]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -50,5 +55,5 @@ def test_dry_run_writes_csv_markdown_and_plots(tmp_path):
 def test_dry_run_flag_is_documented():
     text = SCRIPT.read_text()
     assert "--dry-run" in text and "KERAS_BACKEND=jax" in text
-    assert "mlp,resnet18,mobilenet_v3_small,pointnet,bert_tiny," in text
-    assert "SIZES=1,8,32" in text
+    assert "mlp,resnet18,pointnet,mobilenet_v3_small,bert_tiny," in text
+    assert "SIZES=1,8,32" in text and "--time_budget" in text

@@ -5,6 +5,7 @@ test: it checks that the harness runs and writes a well-formed CSV)."""
 import argparse
 import csv
 import dataclasses
+import json
 import os
 import pathlib
 import subprocess
@@ -171,6 +172,10 @@ def test_parse_args_reads_models_per_pass():
     (["--timeout", "0"], "--timeout must be a positive number"),
     (["--epoch_seconds", "-1"], "--epoch_seconds must be a positive"),
     (["--models_per_pass", "0"], "--models_per_pass must be 'auto', 'all'"),
+    (["--serial_models", "0"], "--serial_models must be 'all' or at least"),
+    (["--serial_models", "some"], "--serial_models must be 'all' or an"),
+    (["--time_budget", "0"], "--time_budget must be a positive number"),
+    (["--dtype_policy", "float16"], "--dtype_policy: invalid choice"),
 ])
 def test_parse_args_rejects_values_it_cannot_measure(argv, message, capsys):
     with pytest.raises(SystemExit) as error:
@@ -348,12 +353,12 @@ def test_concurrent_throughput_sums_each_process_median_epoch(monkeypatch):
                 "epoch_cpu_seconds": [9.0, 4.0, 4.0], "peak_rss_mb": 7.0}]
     monkeypatch.setattr(run, "run_concurrent",
                         lambda spec, num_models, timeout: results)
-    seconds, cpu_seconds, rss, jit, per_pass = run.measure_mode(
+    seconds, cpu_seconds, rss, device, jit, per_pass = run.measure_mode(
         args, "concurrent", 2, {"jit_compile": True})
     # 1 + 1/2 rounds of one model per second: two models' round in 4/3 s.
     assert seconds == pytest.approx(4 / 3)
     assert cpu_seconds == pytest.approx(7.0)
-    assert (rss, jit, per_pass) == (12.0, True, None)
+    assert (rss, device, jit, per_pass) == (12.0, None, True, None)
 
 
 def test_models_per_pass_is_clamped_to_each_array_size(tmp_path,
@@ -376,6 +381,68 @@ def test_models_per_pass_all_is_what_a_gan_array_does():
                                 models_per_pass=setting).compiled
     with pytest.raises(ValueError, match="'auto' or 'all'"):
         work.fused_model(2, jit_compile=False, models_per_pass=1)
+
+
+def test_serial_models_are_timed_once_and_scaled_to_each_array_size(
+        tmp_path, monkeypatch):
+    specs = fake_workers(monkeypatch)
+    run.main(fake_run(tmp_path, "--num_models", "1,4,8", "--modes",
+                      "serial,fused", "--fused_jit", "false",
+                      "--serial_models", "2"))
+    # B = 1 trains its one model; B = 4 two, whose time B = 8 takes again.
+    assert [s["num_models"] for s in specs if s["task"] == "serial"] == [1, 2]
+    table = read_table(tmp_path)
+    serial = [r for r in table if r["mode"] == "serial"]
+    assert [r["serial_models_timed"] for r in serial] == ["1", "2", "2"]
+    # A stock model's epoch takes 1 s at every B, so serial's rate is one
+    # model's; the array's epoch of B models takes 0.5 s.
+    assert len({float(r["samples_per_s"]) for r in serial}) == 1
+    assert [float(r["speedup"]) for r in table if r["mode"] == "fused"] == [
+        2.0, 8.0, 16.0]
+    assert "serial: 2 stock model(s) timed one after another" in (
+        tmp_path / "results.md").read_text()
+
+
+def test_past_the_time_budget_measurements_are_left_out(tmp_path,
+                                                        monkeypatch):
+    # Every worker takes 10 s of a clock the run reads.
+    clock = [0.0]
+    fake_workers(monkeypatch, fail=lambda spec: clock.__setitem__(
+        0, clock[0] + 10.0))
+    monkeypatch.setattr(run.time, "monotonic", lambda: clock[0])
+    rows = run.main(fake_run(tmp_path, "--model", "mlp,pointnet",
+                             "--num_models", "1,2", "--modes",
+                             "serial,fused", "--fused_jit", "false",
+                             "--time_budget", "25"))
+    # The probe (0-10 s), B = 1 serial (10-20 s) and fused (20-30 s) start
+    # within 25 s; nothing after.
+    assert [(r["model"], r["mode"], r["num_models"]) for r in rows] == [
+        ("mlp", "serial", 1), ("mlp", "fused", 1)]
+    assert len(read_table(tmp_path)) == 2
+    assert (tmp_path / "results.md").exists()
+
+
+def test_device_memory_and_the_arrays_share_of_b_stock_models(
+        tmp_path, monkeypatch):
+    fake_workers(monkeypatch)
+    worker = run.run_worker
+
+    def on_a_gpu(spec, timeout):
+        result = worker(spec, timeout)
+        result["peak_device_mb"] = {"serial": 100.0, "fused": 300.0}.get(
+            spec["task"])
+        return result
+
+    monkeypatch.setattr(run, "run_worker", on_a_gpu)
+    run.main(fake_run(tmp_path, "--num_models", "4", "--modes",
+                      "serial,fused", "--fused_jit", "false"))
+    assert [r["peak_device_mb"] for r in read_table(tmp_path)] == [
+        "100.0", "300.0"]
+    header, _, row = (tmp_path / "results.md").read_text().splitlines()[:3]
+    assert header.endswith("| serial device MiB (one model) | fused device "
+                           "MiB | fused device memory / B stock models' |")
+    # 300 MiB for the array against 4 x 100 MiB for 4 stock models.
+    assert row.endswith("| 100 | 300 | 0.75 |")
 
 
 def test_the_csv_is_written_after_every_array_size(tmp_path, monkeypatch):
@@ -482,6 +549,32 @@ def test_probe_measures_a_stock_twin_with_a_step_of_its_own():
              + stock.discriminator.count_params())
     assert inner <= result["parameters"] <= inner + 2  # + a seed state
     assert result["step_flops"] > 0 and len(result["jit"]["false"]) == 1
+
+
+def test_worker_builds_under_the_dtype_policy_and_reports_device_memory(
+        monkeypatch, capsys):
+    seen = {}
+
+    def task(spec):
+        model = Workload("mlp", batch_size=4).stock_model(False)
+        seen["policies"] = {layer.dtype_policy.name for layer in model.layers
+                            if layer.weights}
+        seen["peak"] = measure.matmul_peak(8, 0.0, keras.config.dtype_policy(
+            ).compute_dtype)[1]
+        return {}
+
+    monkeypatch.setitem(worker.TASKS, "policy", task)
+    try:
+        worker.main([json.dumps({"task": "policy",
+                                 "dtype_policy": "mixed_bfloat16"})])
+    finally:
+        keras.config.set_dtype_policy("float32")
+    assert seen["policies"] == {"mixed_bfloat16"}
+    assert "8x8 bfloat16 matmul" in seen["peak"]
+    result = json.loads(capsys.readouterr().out.split(
+        worker.RESULT_PREFIX)[-1])
+    # This machine's CPU reports no device memory of its own.
+    assert result["peak_device_mb"] is None and result["peak_rss_mb"] > 0
 
 
 def test_epoch_timer_records_wall_and_processor_time():
