@@ -12,9 +12,10 @@
 #
 # Settings (environment): DTYPE_POLICY (float32, the default, with TF32 as
 # stock Keras on JAX uses it; or mixed_bfloat16), MODES (serial,fused),
-# MODELS, BUDGET (seconds of measurements started: 360; what is not
-# measured by then is left out of the table), TESTS (1: run the gpu tests
-# first; 0: not). The serial mode times 2 stock models at each B and
+# MODELS, SIZES (1,8,32; with auto, also the B that auto_num_models picks,
+# up to 1024: minutes more per model), BUDGET (seconds of measurements
+# started: 360; what is not measured by then is left out of the table),
+# TESTS (1: run the gpu tests first; 0: not). The serial mode times 2 stock models at each B and
 # scales their time to B (--serial_models); the workers share one JAX
 # compilation cache, so a stock model's program compiles once.
 set -euo pipefail
@@ -26,7 +27,7 @@ MODES=${MODES:-serial,fused}
 MODELS=${MODELS:-mlp,resnet18,pointnet,mobilenet_v3_small,bert_tiny,transformer_lm}
 BUDGET=${BUDGET:-360}
 TESTS=${TESTS:-1}
-SIZES=1,8,32
+SIZES=${SIZES:-1,8,32}
 EXTRA=(--epochs 3 --warmup_steps 3 --epoch_seconds 1 --timeout 120
        --serial_models 2)
 DEVICE=gpu

@@ -32,7 +32,10 @@ throughput or a speedup, and the run goes on. The run exits with status 1
 when a measurement failed. On a time budget (a borrowed accelerator):
 `--time_budget` starts no measurement after that many seconds and reports
 what was measured; `--serial_models K` times K stock models of the serial
-mode once and scales their time to each B. `--dtype_policy` trains the
+mode once and scales their time to each B. `--num_models 1,8,auto` also
+measures the B that `hftatf.tuning.auto_num_models` picks for each model on
+this device (the largest array that fits and still pays, up to
+`--max_num_models`). `--dtype_policy` trains the
 stock models and the array alike under a Keras mixed-precision policy;
 where the device reports its own memory (a GPU), each mode's peak there is
 recorded too.
@@ -121,6 +124,30 @@ def probe_model(args, name, base):
             "step_flops": result["step_flops"],
             "matmul_peak_flops": result["matmul_peak_flops"],
             "stock_seconds": seconds}
+
+
+def size_array(args, name, base, failed):
+    """The B that `hftatf.tuning.auto_num_models` picks for model `name` on
+    this device (`--num_models auto`), or None where the sizing ran past
+    --timeout or failed (then noted in `failed`)."""
+    print(f"[{name}] sizing the array (auto_num_models, B up to "
+          f"{args.max_num_models})...", flush=True)
+    try:
+        result = run_worker({**base, "task": "size",
+                             "max_num_models": args.max_num_models},
+                            args.timeout)
+    except subprocess.TimeoutExpired:
+        print(f"[{name}] sizing ran past --timeout {args.timeout:.0f} s",
+              flush=True)
+        failed.append(f"{name} sizing")
+        return None
+    except WorkerError as error:
+        print(f"[{name}] sizing failed:\n{error}", flush=True)
+        failed.append(f"{name} sizing")
+        return None
+    print(f"[{name}] auto_num_models picks B={result['num_models']}",
+          flush=True)
+    return result["num_models"]
 
 
 def measure_mode(args, mode, num_models, spec, serial=None):
@@ -269,10 +296,15 @@ def benchmark_model(args, name, failed):
     spec = {**base, "steps": probe["steps"],
             "jit_compile": probe["jit_compile"]}
     work = spec["steps"] * args.batch_size
+    sizes, sized = list(args.num_models), None
+    if args.auto_size and not _past_budget(args):
+        sized = size_array(args, name, base, failed)
+        if sized is not None and sized not in sizes:
+            sizes = sorted(sizes + [sized])
     # The serial mode's measurements of each repeat, by model count, where
     # --serial_models times fewer than B models.
     serial = [{} for _ in range(args.repeats)]
-    for num_models in args.num_models:
+    for num_models in sizes:
         spec_b = {**spec, "models_per_pass": _models_per_pass(
             args.models_per_pass, num_models)}
         measured = {mode: [] for mode in args.modes}
@@ -310,9 +342,12 @@ def benchmark_model(args, name, failed):
                       f"{rss:8.0f} MiB{on_device}", flush=True)
         if not any(measured.values()):
             return
-        yield [_row(args, name, mode, num_models, values,
-                    measured.get("serial"), probe)
-               for mode, values in measured.items() if values]
+        rows = [_row(args, name, mode, num_models, values,
+                     measured.get("serial"), probe)
+                for mode, values in measured.items() if values]
+        for row in rows:
+            row["sized"] = num_models == sized
+        yield rows
 
 
 def _median_or_none(values):

@@ -23,7 +23,8 @@ QUICK_DEFAULTS = {"num_models": "1,2,4", "epochs": 2, "warmup_steps": 2,
 # Integer flags and the least value each takes.
 MINIMUMS = {"batch_size": 1, "epochs": 1, "warmup_steps": 1,
             "data_batches": 1, "repeats": 1, "steps_per_execution": 1,
-            "stock_steps_per_execution": 1, "peak_size": 1}
+            "stock_steps_per_execution": 1, "peak_size": 1,
+            "max_num_models": 1}
 
 
 def parse_args(argv):
@@ -34,7 +35,13 @@ def parse_args(argv):
     parser.add_argument("--model", default="mlp",
                         help="comma list of zoo recipe names, or 'all'")
     parser.add_argument("--num_models", default="1,2,4,8,16",
-                        help="comma list of array sizes B")
+                        help="comma list of array sizes B; 'auto' among "
+                             "them adds the B that "
+                             "hftatf.tuning.auto_num_models picks for each "
+                             "model on this device (the largest that fits "
+                             "and still pays, up to --max_num_models)")
+    parser.add_argument("--max_num_models", type=int, default=1024,
+                        help="the largest B that --num_models auto tries")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma list of: " + ", ".join(MODES))
     parser.add_argument("--batch_size", type=int, default=64,
@@ -139,7 +146,11 @@ def parse_args(argv):
             parser.error(f"--{name} must be a positive number of seconds; "
                          f"received {getattr(args, name)}")
     args.models = _models(parser, args.model)
-    args.num_models = flags.array_sizes(parser, args.num_models)
+    sizes = flags.comma_list(parser, "--num_models", args.num_models)
+    args.auto_size = "auto" in sizes
+    fixed = [size for size in sizes if size != "auto"]
+    args.num_models = (flags.array_sizes(parser, ",".join(fixed)) if fixed
+                       else [])
     args.modes = flags.comma_list(parser, "--modes", args.modes)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:

@@ -16,6 +16,7 @@ COLUMNS = (
     "cpu_samples_per_s", "cpu_speedup", "peak_rss_mb", "step_gflop",
     "gflop_per_s", "matmul_peak_gflop_per_s", "percent_of_peak",
     "load_average", "peak_device_mb", "serial_models_timed", "dtype_policy",
+    "sized",
 )
 
 
@@ -110,7 +111,8 @@ def markdown_table(rows):
 
 def _notes(rows):
     """The lines under the table: serial modes that timed fewer than B
-    models, and a dtype policy other than float32."""
+    models, the sizes `auto_num_models` chose, and a dtype policy other
+    than float32."""
     notes = []
     scaled = sorted({r["serial_models_timed"] for r in rows
                      if r.get("serial_models_timed") is not None
@@ -121,6 +123,13 @@ def _notes(rows):
             "model(s) timed one after another, their time scaled to B "
             "(`--serial_models`: each is the same program on the same "
             "batches).")
+    sized = sorted({(r["model"], r["num_models"]) for r in rows
+                    if r.get("sized")}, key=lambda key: _order(rows, key[0]))
+    if sized:
+        notes.append(
+            "\nB chosen by `hftatf.tuning.auto_num_models` (the largest "
+            "array that fits and still gains throughput): "
+            + ", ".join(f"{model} {b}" for model, b in sized) + ".")
     policies = sorted({r["dtype_policy"] for r in rows
                        if r.get("dtype_policy") not in (None, "float32")})
     if policies:
@@ -156,7 +165,7 @@ def read_csv(path):
                     parsed[key] = None
                 elif key in ("model", "mode", "dtype_policy"):
                     parsed[key] = value
-                elif key == "jit_compile":
+                elif key in ("jit_compile", "sized"):
                     parsed[key] = value == "True"
                 elif key == "models_per_pass":
                     # A count, or how the array sizes its passes ("auto"

@@ -17,6 +17,9 @@ SPEC_JSON names the `task` and the workload (`model`, `batch_size`,
   by the same epoch callback as the other tasks).
 * `fused`: one array of `num_models` (`fused_jit_compile`,
   `steps_per_execution`).
+* `size`: the B that `hftatf.tuning.auto_num_models` picks (up to
+  `max_num_models`): the largest array of the model that fits the device
+  and still gains throughput.
 
 Stock models are compiled with `stock_steps_per_execution` (default 1).
 
@@ -40,7 +43,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks import measure  # noqa: E402
 from benchmarks.protocol import READY, RESULT_PREFIX  # noqa: E402
-from benchmarks.workloads import Workload  # noqa: E402
+from benchmarks.workloads import Workload, stock_optimizer  # noqa: E402
 
 
 def workload(spec):
@@ -135,7 +138,30 @@ def fused(spec):
     return result
 
 
-TASKS = {"probe": probe, "serial": serial, "single": single, "fused": fused}
+def size(spec):
+    """The array size B that `hftatf.tuning.auto_num_models` picks for the
+    workload on this device (the largest that fits and still pays, up to
+    `max_num_models`), without its cache file."""
+    from hftatf.tuning import auto_num_models
+
+    work = workload(spec)
+    recipe = work.recipe
+    if recipe.model_class is not None:
+        raise ValueError(
+            f"{spec['model']!r} trains with {recipe.model_class.__name__}'s "
+            "step of its own; auto_num_models sizes a plain model's array.")
+    batch = keras.tree.map_structure(lambda leaf: leaf[0], work.batches(1))
+    x, y = batch if isinstance(batch, tuple) else (batch, None)
+    keras.utils.set_random_seed(spec["seed"])
+    return {"num_models": auto_num_models(
+        work.build(), x, y, optimizer=stock_optimizer(
+            recipe.optimizer, recipe.learning_rate),
+        loss=recipe.loss, metrics=list(recipe.metrics or ()),
+        max_num_models=spec["max_num_models"], cache=False)}
+
+
+TASKS = {"probe": probe, "serial": serial, "single": single, "fused": fused,
+         "size": size}
 
 
 def main(argv=None):

@@ -56,4 +56,4 @@ def test_dry_run_flag_is_documented():
     text = SCRIPT.read_text()
     assert "--dry-run" in text and "KERAS_BACKEND=jax" in text
     assert "mlp,resnet18,pointnet,mobilenet_v3_small,bert_tiny," in text
-    assert "SIZES=1,8,32" in text and "--time_budget" in text
+    assert "SIZES=${SIZES:-1,8,32}" in text and "--time_budget" in text

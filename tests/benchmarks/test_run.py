@@ -176,6 +176,9 @@ def test_parse_args_reads_models_per_pass():
     (["--serial_models", "some"], "--serial_models must be 'all' or an"),
     (["--time_budget", "0"], "--time_budget must be a positive number"),
     (["--dtype_policy", "float16"], "--dtype_policy: invalid choice"),
+    (["--num_models", "auto,auto"], "--num_models lists auto more than"),
+    (["--num_models", "auto,0"], "--num_models must be positive"),
+    (["--max_num_models", "0"], "--max_num_models must be at least 1"),
 ])
 def test_parse_args_rejects_values_it_cannot_measure(argv, message, capsys):
     with pytest.raises(SystemExit) as error:
@@ -200,7 +203,8 @@ def test_quick_sets_defaults_that_explicit_flags_override():
 
 def fake_workers(monkeypatch, timeouts=(), fail=None):
     """Replaces the worker processes: every epoch of one model takes 1 s
-    stock and 0.5 s fused (2 s and 1 s of processor time). The tasks in
+    stock and 0.5 s fused (2 s and 1 s of processor time); the sizing picks
+    B = 16. The tasks in
     `timeouts` ("probe", "serial", "single", "fused") run past --timeout;
     `fail(spec)` may raise. Returns the specs the workers were given."""
     specs = []
@@ -214,6 +218,8 @@ def fake_workers(monkeypatch, timeouts=(), fail=None):
         if spec["task"] == "probe":
             return {"jit": {"false": [0.01]}, "step_flops": 1e3,
                     "matmul_peak_flops": 1e9}
+        if spec["task"] == "size":
+            return {"num_models": 16}
         if spec["task"] == "serial":
             return {"model_epoch_seconds": [[1.0]] * spec["num_models"],
                     "model_epoch_cpu_seconds": [[2.0]] * spec["num_models"],
@@ -403,6 +409,33 @@ def test_serial_models_are_timed_once_and_scaled_to_each_array_size(
         tmp_path / "results.md").read_text()
 
 
+def test_auto_adds_the_array_size_the_sizing_code_picks(tmp_path,
+                                                         monkeypatch):
+    specs = fake_workers(monkeypatch)
+    run.main(fake_run(tmp_path, "--num_models", "auto,8", "--modes",
+                      "serial,fused", "--fused_jit", "false",
+                      "--max_num_models", "512"))
+    sizing = [s for s in specs if s["task"] == "size"]
+    assert [s["max_num_models"] for s in sizing] == [512]
+    table = read_table(tmp_path)
+    assert [(r["num_models"], r["sized"]) for r in table] == [
+        ("8", "False"), ("8", "False"), ("16", "True"), ("16", "True")]
+    assert "auto_num_models` (the largest array that fits and still gains " \
+        "throughput): mlp 16." in (tmp_path / "results.md").read_text()
+
+
+def test_a_failed_sizing_leaves_the_other_sizes(tmp_path, monkeypatch):
+    def fail(spec):
+        if spec["task"] == "size":
+            raise run.WorkerError("out of host memory")
+
+    fake_workers(monkeypatch, fail=fail)
+    with pytest.raises(SystemExit, match="mlp sizing"):
+        run.main(fake_run(tmp_path, "--num_models", "2,auto", "--modes",
+                          "serial,fused", "--fused_jit", "false"))
+    assert [r["num_models"] for r in read_table(tmp_path)] == ["2", "2"]
+
+
 def test_past_the_time_budget_measurements_are_left_out(tmp_path,
                                                         monkeypatch):
     # Every worker takes 10 s of a clock the run reads.
@@ -575,6 +608,15 @@ def test_worker_builds_under_the_dtype_policy_and_reports_device_memory(
         worker.RESULT_PREFIX)[-1])
     # This machine's CPU reports no device memory of its own.
     assert result["peak_device_mb"] is None and result["peak_rss_mb"] > 0
+
+
+def test_sizing_task_asks_the_sizing_code_and_refuses_a_custom_step():
+    spec = {"task": "size", "model": "mlp", "batch_size": 8, "seed": 0,
+            "max_num_models": 2}
+    # Timing decides between 1 and 2; never past the largest allowed.
+    assert worker.size(spec)["num_models"] in (1, 2)
+    with pytest.raises(ValueError, match="FusedGAN's step of its own"):
+        worker.size({**spec, "model": "dcgan"})
 
 
 def test_epoch_timer_records_wall_and_processor_time():
