@@ -83,9 +83,8 @@ def parse_args(argv):
                         help="tiny sizes on the CPU, one thread")
     parser.add_argument("--side_by_side", metavar="OUT_DIR",
                         help="measure nothing: join OUT_DIR/hfta_peer.csv "
-                             "with hftatf's results.csv in OUT_DIR/"
-                             "hftatf_serial and hftatf_fused into "
-                             "OUT_DIR/side_by_side.md")
+                             "with hftatf's OUT_DIR/hftatf/results.csv "
+                             "into OUT_DIR/side_by_side.md")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.device, args.num_models, args.batch_size = "cpu", "1,2", 4
@@ -277,8 +276,7 @@ def side_by_side(out_dir):
     out_dir = pathlib.Path(out_dir)
     hfta = [r for r in _read(out_dir / "hfta_peer.csv")
             if r["precision"] == "fp32"]
-    ours = (_read(out_dir / "hftatf_serial" / "results.csv")
-            + _read(out_dir / "hftatf_fused" / "results.csv"))
+    ours = _read(out_dir / "hftatf" / "results.csv")
     header = ("model", "B", "HFTA serial", "HFTA fused", "HFTA ratio",
               "hftatf serial", "hftatf fused", "hftatf ratio",
               "hftatf / HFTA fused")

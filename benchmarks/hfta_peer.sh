@@ -3,10 +3,10 @@
 # 44): HFTA's fused ResNet-18 and PointNet (serial vs fused at B = 1, 8, 32,
 # random data, batch 64, float32 with PyTorch's TF32 defaults) by
 # benchmarks/hfta_peer.py, then hftatf's benchmarks.run on JAX at the same
-# model sizes (resnet18 width=1.0,stem=imagenet; pointnet width=1.0): serial
-# at B = 1 and fused at B = 1, 8, 32. Writes $OUT_DIR (default
-# gpu_results/hfta_peer): hfta_peer.csv/.md, hftatf_serial/ and
-# hftatf_fused/ (results.csv), and side_by_side.md. HFTATF=0 skips the
+# model sizes (resnet18 width=1.0,stem=imagenet; pointnet width=1.0): one
+# stock model timed (serial, scaled to B) and fused at B = 1, 8, 32, one
+# benchmarks.run per model. Writes $OUT_DIR (default gpu_results/hfta_peer):
+# hfta_peer.csv/.md, hftatf/results.csv, and side_by_side.md. HFTATF=0 skips the
 # hftatf half; extra arguments go to hfta_peer.py (e.g. --precision
 # fp32,bf16 --tf32_matmul).
 #
@@ -25,8 +25,9 @@
 #
 # The hftatf half needs hftatf and Keras there as gpu.sh does (its wheels).
 # Not yet timed on a GPU: HFTA's half is 8 points of ~2 s timed steps plus
-# warm-up in one process (about a minute expected); hftatf's half is six
-# benchmarks.run processes (each its own JAX compile, --timeout 240).
+# warm-up in one process (about a minute expected); hftatf's half is two
+# benchmarks.run processes (a probe, a serial and three fused workers each,
+# sharing one JAX compilation cache, --timeout 240).
 #
 #   benchmarks/hfta_peer.sh             # the GPU run
 #   HFTATF=0 benchmarks/hfta_peer.sh    # HFTA's half alone
@@ -55,18 +56,20 @@ fi
 
 if [[ "$HFTATF" == 1 ]]; then
   export KERAS_BACKEND=jax
+  if [[ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]]; then
+    export JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
+    trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+  fi
   for model in resnet18 pointnet; do
     margs=$RESNET_ARGS dargs=
     if [[ $model == pointnet ]]; then
       margs=$POINTNET_ARGS dargs=$POINTNET_DATA
     fi
-    # Serial B models run at one model's rate: measured at B = 1 only.
-    python -m benchmarks.run --backend jax --model $model --append \
-      --model_args "$margs" --data_args "$dargs" --num_models 1 \
-      --modes serial --output_dir "$OUT_DIR/hftatf_serial" "${EXTRA[@]}"
+    # Serial B models run at one model's rate: one timed, scaled to B.
     python -m benchmarks.run --backend jax --model $model --append \
       --model_args "$margs" --data_args "$dargs" --num_models "$SIZES" \
-      --modes fused --output_dir "$OUT_DIR/hftatf_fused" "${EXTRA[@]}"
+      --modes serial,fused --serial_models 1 --output_dir "$OUT_DIR/hftatf" \
+      "${EXTRA[@]}"
   done
   python benchmarks/hfta_peer.py --side_by_side "$OUT_DIR"
   if [[ " $* " == *" --dry-run "* ]]; then
