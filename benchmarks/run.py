@@ -108,7 +108,6 @@ def probe_model(args, name, base):
                          "jit_settings": settings,
                          "peak_size": args.peak_size,
                          "peak_seconds": args.peak_seconds}, args.timeout)
-    # Measured in the dtype policy's compute dtype (`matmul_peak`).
     seconds = {jit == "true": _median(times) / probe_steps
                for jit, times in result["jit"].items()}
     jit = min(seconds, key=seconds.get)
