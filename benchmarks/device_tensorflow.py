@@ -8,6 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from benchmarks.hlo import hlo_flops
+from hftatf.core import devices
 
 
 def quiet():
@@ -47,7 +48,7 @@ def peak_device_mb():
     or None without a GPU."""
     if not tf.config.list_logical_devices("GPU"):
         return None
-    return tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
+    return devices.peak_memory("GPU:0") / 2**20
 
 
 def train_step_flops(model, batch):

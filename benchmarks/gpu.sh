@@ -15,9 +15,9 @@
 # MODELS, SIZES (1,8,32; with auto, also the B that auto_num_models picks,
 # up to 1024: minutes more per model), BUDGET (seconds of measurements
 # started: 360; what is not measured by then is left out of the table),
-# TESTS (1: run the gpu tests first; 0: not). The serial mode times 2 stock models at each B and
-# scales their time to B (--serial_models); the workers share one JAX
-# compilation cache, so a stock model's program compiles once.
+# TESTS (1: run the gpu tests first; 0: not). The serial mode times 2
+# stock models at each B and scales their time to B (--serial_models);
+# the workers share one JAX compilation cache (benchmarks/jax_cache.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KERAS_BACKEND=jax
@@ -39,12 +39,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
          --peak_seconds 0.1 --timeout 300 --serial_models 2)
   DEVICE=any
 fi
-if [[ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]]; then
-  JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
-  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
-fi
-export JAX_COMPILATION_CACHE_DIR
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-0}
+source benchmarks/jax_cache.sh
 
 python - "$DEVICE" <<'PY'
 import sys

@@ -27,7 +27,8 @@
 # Not yet timed on a GPU: HFTA's half is 8 points of ~2 s timed steps plus
 # warm-up in one process (about a minute expected); hftatf's half is two
 # benchmarks.run processes (a probe, a serial and three fused workers each,
-# sharing one JAX compilation cache, --timeout 240).
+# sharing one JAX compilation cache, benchmarks/jax_cache.sh; --timeout
+# 240).
 #
 #   benchmarks/hfta_peer.sh             # the GPU run
 #   HFTATF=0 benchmarks/hfta_peer.sh    # HFTA's half alone
@@ -56,10 +57,7 @@ fi
 
 if [[ "$HFTATF" == 1 ]]; then
   export KERAS_BACKEND=jax
-  if [[ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]]; then
-    export JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
-    trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
-  fi
+  source benchmarks/jax_cache.sh
   for model in resnet18 pointnet; do
     margs=$RESNET_ARGS dargs=
     if [[ $model == pointnet ]]; then

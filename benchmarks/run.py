@@ -191,7 +191,8 @@ def measure_mode(args, mode, num_models, spec, serial=None):
         cpu_seconds = sum(_median(r["epoch_cpu_seconds"]) for r in results)
         return (num_models / rate, cpu_seconds,
                 sum(r["peak_rss_mb"] for r in results),
-                _total(r.get("peak_device_mb") for r in results),
+                _unless_missing(sum, (r.get("peak_device_mb")
+                                      for r in results)),
                 spec["jit_compile"], None)
     settings = (_best_settings(args) if args.fused_jit == "best"
                 else [spec["fused_jit_compile"]])
@@ -237,10 +238,11 @@ def _serial_count(args, num_models):
     return min(num_models, args.serial_models)
 
 
-def _total(values):
-    """The sum of `values`, or None where one of them is None."""
+def _unless_missing(combine, values):
+    """`combine(values)`, or None where one of them is None (a device that
+    reports no memory of its own)."""
     values = list(values)
-    return None if any(v is None for v in values) else sum(values)
+    return None if any(v is None for v in values) else combine(values)
 
 
 def _past_budget(args):
@@ -349,11 +351,6 @@ def benchmark_model(args, name, failed):
         yield rows
 
 
-def _median_or_none(values):
-    """The median of `values`, or None where the device reported none."""
-    return None if any(v is None for v in values) else _median(values)
-
-
 def _row(args, name, mode, num_models, values, serial, probe):
     """The CSV row of one mode at B from its measurements (`TIMED_OUT` or
     `FAILED` for one that did not finish); `serial` holds the serial
@@ -377,7 +374,8 @@ def _row(args, name, mode, num_models, values, serial, probe):
                 "samples_per_s": rate,
                 "samples_per_s_min": low, "samples_per_s_max": high,
                 "peak_rss_mb": _median([v[1] for v in done]),
-                "peak_device_mb": _median_or_none([v[6] for v in done]),
+                "peak_device_mb": _unless_missing(_median,
+                                                  [v[6] for v in done]),
                 "load_average": _median([v[3] for v in done]),
                 "cpu_samples_per_s": _median([v[4] for v in done])})
     # Ratios of measurements made side by side, where both finished.
