@@ -10,6 +10,7 @@ import pytest
 from testing import assert_close, compiled_programs, jaxpr_equations
 
 import hftatf
+from hftatf.core.compat import model_supports_jit
 
 B = 3
 RATES = [0.1, 0.05, 0.2]
@@ -360,6 +361,32 @@ def test_auto_jit_compile_on_jax_compiles_every_step(layer):
     array.compile("sgd", loss="mse", jit_compile="auto")
     model.compile("sgd", loss="mse", jit_compile="auto")
     assert array.jit_compile is True and model.jit_compile is True
+
+
+@pytest.mark.parametrize("augmentation, supported", [
+    (lambda: keras.layers.RandAugment(seed=2), False),
+    (lambda: keras.layers.MixUp(seed=2), True),
+])
+def test_jit_compile_follows_the_layers_a_per_model_layer_runs(
+        augmentation, supported):
+    # RandAugment runs once per model; its rotations and shears do not
+    # support XLA, so stock Keras trains without it, even when asked for
+    # it (with a warning), and so must the array.
+    inputs = keras.Input((8, 8, 3))
+    hidden = keras.layers.GlobalAveragePooling2D()(augmentation()(inputs))
+    model = keras.Model(inputs, keras.layers.Dense(1)(hidden))
+    array = hftatf.fuse(model, 2)
+    [per_model] = [layer for layer in array.layers
+                   if isinstance(layer, hftatf.layers.FusedPerModel)]
+    assert per_model.supports_jit is supported
+    assert model_supports_jit(array) is supported
+    for jit_compile in ("auto", True):
+        model.compile("sgd", loss="mse", jit_compile=jit_compile)
+        array.compile("sgd", loss="mse", jit_compile=jit_compile)
+        if not supported:
+            assert array.jit_compile is model.jit_compile is False
+    if keras.backend.backend() == "jax":
+        assert array.jit_compile is model.jit_compile is supported
 
 
 def one_batch():

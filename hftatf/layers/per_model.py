@@ -181,6 +181,12 @@ class FusedPerModel(FusedLayer):
         self._specs = None  # the per-model call's arguments, once built
         self._assigned = []  # see `assigns_weights_in_training`
         self._derived = []  # layers with state derived from their weights
+        # Keras compiles a model's step with XLA under `jit_compile="auto"`
+        # only where every layer supports it; the layer held out of
+        # tracking is invisible to that check, so the wrapper answers for
+        # it (a `RandAugment`, whose rotations and shears do not).
+        self.supports_jit = all(inner.supports_jit for inner in
+                                objects.all_layers([layer]))
 
     @property
     def assigns_weights_in_training(self):

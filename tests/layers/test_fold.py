@@ -996,9 +996,6 @@ def test_aug_mix_draws_per_model_and_passes_inference_through():
     assert_close(keras.ops.convert_to_numpy(fused(x, training=False)), x)
 
 
-# Slow on JAX (over a minute: each model's RandAugment compiled in the
-# step); each of its layers is also tested on its own above.
-@pytest.mark.slow
 def test_per_batch_layers_train_in_a_fused_model_and_unfuse():
     rng = np.random.default_rng(16)
     inputs = keras.Input((8, 8, 3))
