@@ -13,8 +13,14 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("jax") is None,
-                                reason="benchmarks.kernels needs JAX")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                       reason="benchmarks.kernels needs JAX"),
+    # Its programs are JAX's alone, whatever Keras's backend: they run in
+    # the suite's JAX run only.
+    pytest.mark.backends("jax", reason="benchmarks.kernels runs JAX "
+                         "programs without Keras"),
+]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
