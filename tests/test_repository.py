@@ -16,7 +16,7 @@ MAIN_JOB = 'python -m pip install -e ".[data]" && hftatf-train'
 TESTS = ('python -m pip install -e ".[dev]" && '
          "python -m pytest -n auto --maxprocesses 4 --dist loadgroup && "
          "KERAS_BACKEND=jax python -m pytest -n auto --maxprocesses 4 "
-         "--dist loadgroup")
+         '--dist loadgroup -m "not slow"')
 
 
 def test_readme_has_the_two_setup_commands():
