@@ -24,7 +24,7 @@ import contextlib
 import functools
 import threading
 
-from hftatf.core import compat
+from hftatf.core import tensorflow_compat
 from hftatf.core.optional import tensorflow
 
 # Philox's counter is two 64-bit words; ThreeFry uses the first.
@@ -40,7 +40,7 @@ def _tensorflow_parts():
     it hashes for (the default, "auto_select"), and the function that packs
     two 32-bit words into one 64-bit key. Any of the last three is None in
     a TensorFlow version without it: draws then keep the hash."""
-    random_ops_util = compat.tensorflow_random_ops_util()
+    random_ops_util = tensorflow_compat.random_ops_util()
     return (random_ops_util,
             getattr(random_ops_util, "_get_key_counter", None),
             getattr(random_ops_util, "_uint32s_to_uint64", None),

@@ -4,6 +4,8 @@ losses and loss weights, regularization losses, steps_per_execution and
 jit_compile. The oracle: B stock models trained with stock `fit` on model
 b's slice of everything."""
 
+import gc
+
 import keras
 import numpy as np
 import pytest
@@ -591,3 +593,34 @@ def test_results_outside_the_step_do_not_compile_a_program_per_model(caplog):
     # None stacks the models' entries in one program of B operands, whose
     # compile time grows faster than B (20 s at B = 10,000).
     assert max(operands) <= 64 < num_models, operands
+
+
+@pytest.mark.backends("tensorflow", reason=(
+    "the process-wide gradient registry that held traced steps is "
+    "TensorFlow's"))
+def test_a_deleted_array_leaves_no_traced_step_in_memory():
+    from tensorflow.python.framework import func_graph
+
+    def graphs():
+        gc.collect()
+        return {id(o) for o in gc.get_objects()
+                if isinstance(o, func_graph.FuncGraph)}
+
+    before = graphs()
+    # Per-model products on the Eigen kernel, a sparse embedding gradient
+    # and per-model bias rows: each traced with a gradient of its own.
+    model = keras.Sequential([
+        keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
+        keras.layers.Dense(8, activation="relu"), keras.layers.Flatten(),
+        keras.layers.Dense(1)])
+    array = hftatf.fuse(model, 3)
+    array.compile(hftatf.optimizers.SGD([0.1, 0.2, 0.3]), loss="mse",
+                  jit_compile=False)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 20, size=(16, 6))
+    y = rng.normal(size=(16, 1)).astype("float32")
+    array.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    array.evaluate(x, y, verbose=0)
+    assert graphs() - before, "the array traced no step"
+    del array, model
+    assert not graphs() - before

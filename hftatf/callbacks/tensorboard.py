@@ -11,9 +11,9 @@ from hftatf.callbacks.base import (
     checked_array,
     hyperparameter_values,
 )
-from hftatf.core.compat import scalar_summary_metadata
 from hftatf.core.logs import as_given, split_logs
 from hftatf.core.optional import tensorflow
+from hftatf.core.tensorflow_compat import scalar_summary_metadata
 
 # Written with each scalar: TensorBoard's scalars plugin shows them.
 scalar_metadata = functools.cache(scalar_summary_metadata)

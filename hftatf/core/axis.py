@@ -31,7 +31,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from hftatf.core import compat
+from hftatf.core import compat, tensorflow_compat
 
 # The model axis of `[batch, B, ...]` activations.
 MODEL_AXIS = 1
@@ -265,7 +265,7 @@ def take_model(stacked, index):
 
     num_models = stacked.shape[0]
 
-    @tf.custom_gradient
+    @tensorflow_compat.custom_gradient
     def slice_(stacked):
         def gradient(upstream):
             if not isinstance(upstream, tf.IndexedSlices):

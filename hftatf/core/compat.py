@@ -1,11 +1,12 @@
-"""Every access to private Keras and TensorFlow API, in one place.
+"""Every access to private Keras API, in one place.
 
-A Keras or TensorFlow minor release may rename or remove any of these:
-this module is where to look when one does. Each entry says which public
-API is missing and the versions it was checked on (Keras 3.15, TensorFlow
-2.21, JAX 0.10 unless it says otherwise). Other hftatf modules import
-private names from here, never from `keras.src` or `tensorflow.python`.
-TensorFlow's are imported on use, so that this module (and hftatf) imports
+A Keras minor release may rename or remove any of these: this module is
+where to look when one does. Each entry says which public API is missing
+and the versions it was checked on (Keras 3.15, JAX 0.10 unless it says
+otherwise). Other hftatf modules import private names from here, never
+from `keras.src`; private TensorFlow API (`tensorflow.python`) has its own
+module, `hftatf.core.tensorflow_compat`. The few Keras entries that reach
+TensorFlow import it on use, so that this module (and hftatf) imports
 without TensorFlow on another Keras backend.
 """
 
@@ -25,14 +26,6 @@ def set_keras_mask(tensor, mask):
     """Attaches `mask` to `tensor` as Keras keeps masks. Keras exports no
     setter (checked on Keras 3.15)."""
     _keras_backend.set_keras_mask(tensor, mask)
-
-
-def graph_in_xla_context(graph):
-    """Whether `graph` (or a graph it is nested in) is compiled by XLA.
-    TensorFlow has no public API for it (checked on TF 2.21)."""
-    from tensorflow.python.ops import control_flow_util
-
-    return control_flow_util.GraphOrParentsInXlaContext(graph)
 
 
 def keras_logits(tensor):
@@ -112,18 +105,6 @@ STOCK_CONVOLUTIONS = (_base_conv.BaseConv,
 
 
 
-def __getattr__(name):
-    """`CapturableResource`: the base class of TensorFlow's state outside
-    Keras variables (a lookup table's; TensorFlow 2.21 exports none),
-    imported on first use, as TensorFlow is."""
-    if name == "CapturableResource":
-        from tensorflow.python.trackable import resource
-
-        return resource.CapturableResource
-    raise AttributeError(
-        f"module 'hftatf.core.compat' has no attribute {name!r}")
-
-
 def inner_layers(layer, include_self=True):
     """`layer` (where `include_self`) and every layer inside it, outer
     layers first: Keras's `_flatten_layers`, which it does not export
@@ -198,6 +179,8 @@ def reset_global_seed_generator():
 
 import keras  # noqa: E402
 from keras.src.utils import tracking as _keras_tracking  # noqa: E402
+
+from hftatf.core import tensorflow_compat  # noqa: E402
 
 # Public API missing: a build() that adds variables without Keras tracking
 # them as attributes (the stock LossScaleOptimizer.build uses it).
@@ -363,17 +346,6 @@ def distribution_strategy(optimizer):
     return optimizer._distribution_strategy
 
 
-def maybe_merge_call(fn, strategy, *args):
-    """`fn(strategy, *args)` in the cross-replica context, as the
-    TensorFlow optimizer makes its updates. Public API missing:
-    `tf.__internal__.distribute.interim.maybe_merge_call` (TensorFlow
-    2.21)."""
-    import tensorflow as tf  # Only reached on the TensorFlow backend.
-
-    return tf.__internal__.distribute.interim.maybe_merge_call(
-        fn, strategy, *args)
-
-
 def compiled_by_xla():
     """Whether the step being traced is compiled by XLA: always on JAX,
     where XLA compiles every computation (and where a cond whose branches
@@ -384,7 +356,8 @@ def compiled_by_xla():
         return True
     import tensorflow as tf  # Only reached on the TensorFlow backend.
 
-    return graph_in_xla_context(tf.compat.v1.get_default_graph())
+    return tensorflow_compat.graph_in_xla_context(
+        tf.compat.v1.get_default_graph())
 
 # -- conversion and export --
 #
@@ -477,18 +450,6 @@ def exclude_from_weight_decay_like(optimizer, source):
         optimizer._exclude_from_weight_decay_cache = {}
 
 
-def scalar_summary_metadata():
-    """The metadata of TensorBoard's scalars plugin (what `tf.summary
-    .scalar` writes, which needs the tensorboard package); writing it with
-    `tf.summary.write` needs only TensorFlow."""
-    # TensorFlow's protocol buffers have no public module.
-    from tensorflow.core.framework import summary_pb2
-
-    return summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(
-            plugin_name="scalars"))
-
-
 # -- training --
 # What `FusedModel` (hftatf.model, hftatf.training) and its passes and seeds
 # take from Keras's and TensorFlow's private API, one line each saying which
@@ -555,43 +516,3 @@ def trainer_overrides_missing():
     """The names of `TRAINER_OVERRIDES` that `keras.Model` lacks."""
     return [name for name in TRAINER_OVERRIDES
             if not callable(getattr(keras.Model, name, None))]
-
-
-def tensorflow_random_ops_util():
-    """TensorFlow's module that turns a stateless draw's seed into a key
-    and counter: no public API lets draws take their key from the seed
-    (`hftatf.seeds`). TensorFlow is imported here, on use, so that this
-    module stays importable without it."""
-    from tensorflow.python.ops import random_ops_util
-
-    return random_ops_util
-
-
-def tensorflow_vectorized_map(function, elements):
-    """`tf.vectorized_map(function, elements, fallback_to_while_loop=False)`
-    built inline in the graph being traced: under XLA `tf.vectorized_map`
-    builds its loop as a function of its own, whose gradient takes the
-    loop's reduction axes as arguments, which XLA needs as constants; XLA
-    then makes every input of the loop (the batch, the weights) a
-    compile-time constant and compiles the step anew at every batch, until
-    the process runs out of memory. `parallel_for` has no public way to
-    build inline, nor a public registry: `Bitcast`, which Keras's
-    `ops.argmax` of floats reaches through `signbit`, has no converter in
-    TensorFlow 2.21 (a bitcast changes at most the last axis, so the
-    stacked input's is every model's)."""
-    import tensorflow as tf
-    from tensorflow.python.ops.parallel_for import control_flow_ops, pfor
-
-    if "Bitcast" not in pfor._pfor_converter_registry:
-
-        @pfor.RegisterPFor("Bitcast")
-        def _convert_bitcast(pfor_input):
-            return pfor.wrap(tf.bitcast(pfor_input.stacked_input(0),
-                                        pfor_input.get_attr("type")), True)
-
-    elements = tf.nest.map_structure(tf.convert_to_tensor, elements)
-    size = max(t.shape[0] for t in tf.nest.flatten(elements))
-    return control_flow_ops._pfor_impl(
-        lambda i: function(tf.nest.map_structure(lambda t: tf.gather(t, i),
-                                                 elements)),
-        size, fallback_to_while_loop=False)

@@ -7,7 +7,11 @@ import math
 
 from keras import ops
 
-from hftatf.layers.backends import batch_matmul, compiling_with_xla
+from hftatf.layers.backends import (
+    batch_matmul,
+    compiling_with_xla,
+    custom_gradient,
+)
 
 # The smallest row of biases whose gradient `add_bias_by_rows` sums by a
 # product. The gradient of a bias added to 4,096 rows, in processor time on
@@ -57,7 +61,7 @@ def add_bias_by_rows(outputs, bias, models=0):
     if not bias_rows(outputs, bias, models):
         return outputs + bias
 
-    @ops.custom_gradient
+    @custom_gradient
     def add(outputs, bias):
         def gradient(upstream):
             size = math.prod(bias.shape[models:])

@@ -14,7 +14,7 @@ import keras
 from keras import ops
 
 from hftatf import sparse
-from hftatf.core import compat
+from hftatf.core import compat, tensorflow_compat
 from hftatf.core.axis import select_models
 from hftatf.optimizers import backend, scopes
 
@@ -229,7 +229,15 @@ class PerModelSteps:
     def _all_reduce_sum_gradients(self, grads_and_vars):
         # Stock replicas sum the dense gradients that global clipping made:
         # a row looked up on two replicas is one row of the sum.
-        grads_and_vars = super()._all_reduce_sum_gradients(grads_and_vars)
+        if backend.replicas_in_sync() > 1:
+            grads_and_vars = super()._all_reduce_sum_gradients(
+                grads_and_vars)
+        else:
+            # One replica's sum is its own gradients. (TensorFlow's
+            # `all_reduce`, called in the frozen models' `cond`, would
+            # register a gradient that keeps the traced step in memory;
+            # see `tensorflow_compat.custom_gradient`.)
+            grads_and_vars = list(grads_and_vars)
         merged = scopes.entry(scopes.MERGED, self)
         if merged is None:
             return grads_and_vars
@@ -316,7 +324,7 @@ class PerModelSteps:
         trainable_variables = [scopes.unwrap(v) for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(
             list(zip(grads, trainable_variables)))
-        compat.maybe_merge_call(
+        tensorflow_compat.maybe_merge_call(
             self._masked_update_step, compat.distribution_strategy(self),
             grads_and_vars, learning_rate, mask)
 

@@ -49,7 +49,7 @@ import tensorflow as tf
 from keras import ops
 
 from hftatf import passes, seeds, sparse
-from hftatf.core import compat
+from hftatf.core import compat, tensorflow_compat
 from hftatf.core.axis import (
     concat_models,
     mask_has_model_axis,
@@ -179,7 +179,7 @@ class TensorFlowTrainer:
         return [ops.copy(variable.value) for variable in variables]
 
     def _vectorized_map(self, function, elements):
-        """`tf.vectorized_map` (`compat.tensorflow_vectorized_map`: built
+        """`tf.vectorized_map` (`tensorflow_compat.vectorized_map`: built
         inline, so that XLA compiles the step once), None where an op of
         `function` has no vectorized form: its fallback, a `tf.while_loop`
         over the models, would be slower than the per-model objects. None
@@ -188,7 +188,7 @@ class TensorFlowTrainer:
         if tf.executing_eagerly():
             return None
         try:
-            return compat.tensorflow_vectorized_map(function, elements)
+            return tensorflow_compat.vectorized_map(function, elements)
         except ValueError as error:
             logging.info("Per-model losses and metrics are computed one "
                          "model after the other: %s", error)

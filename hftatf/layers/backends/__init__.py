@@ -31,6 +31,9 @@ one of the backend Keras runs on (fixed when Keras is imported):
                          run (to find what it would assign)
     init_scope           a block whose variables are made outside any
                          traced graph
+    custom_gradient      a function with a gradient of its own (TensorFlow
+                         lets each traced graph go, see
+                         `hftatf.core.tensorflow_compat.custom_gradient`)
     read_after_assignment
                          what reads of a trainable weight give after a
                          call assigns it, differentiated as stock Keras
@@ -62,4 +65,5 @@ holds_outside_state = _backend.holds_outside_state
 executing_eagerly = _backend.executing_eagerly
 trace = _backend.trace
 init_scope = _backend.init_scope
+custom_gradient = _backend.custom_gradient
 read_after_assignment = _backend.read_after_assignment

@@ -105,6 +105,12 @@ def executing_eagerly():
     return not isinstance(ops.zeros(()), jax.core.Tracer)
 
 
+def custom_gradient(function):
+    """`keras.ops.custom_gradient`: JAX keeps nothing once a trace is
+    done."""
+    return ops.custom_gradient(function)
+
+
 def init_scope():
     """JAX variables are made outside any trace already."""
     return contextlib.nullcontext()

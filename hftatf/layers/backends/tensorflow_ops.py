@@ -6,7 +6,7 @@ import math
 import tensorflow as tf
 from keras import ops
 
-from hftatf.core import compat, devices
+from hftatf.core import compat, devices, tensorflow_compat
 from hftatf.core.axis import pieces_if_stacked, split_models, stack_models
 
 # Batched products of at most this many multiply-adds run on TensorFlow's
@@ -17,6 +17,7 @@ compiling_with_xla = devices.compiling_with_xla
 runs_on_accelerator = devices.runs_on_accelerator
 executing_eagerly = tf.executing_eagerly
 init_scope = tf.init_scope
+custom_gradient = tensorflow_compat.custom_gradient
 
 
 def gather_clamps_ids():
@@ -57,7 +58,7 @@ def batch_matmul(a, b, adjoint_a=False, adjoint_b=False):
         return tf.linalg.matmul(a, b, adjoint_a=adjoint_a,
                                 adjoint_b=adjoint_b)
 
-    @tf.custom_gradient
+    @custom_gradient
     def product(a, b):
         def gradient(upstream):
             # As TensorFlow differentiates `BatchMatMulV3`.
@@ -213,7 +214,7 @@ def look_up(embeddings, ids):
     stock gather's, an `IndexedSlices` of the flattened table (one row per
     id), where a gather on a reshape would give a dense one."""
 
-    @tf.custom_gradient
+    @custom_gradient
     def rows_at_ids(embeddings):
         rows = math.prod(embeddings.shape[:2])
         table = tf.reshape(embeddings, (rows, embeddings.shape[2]))
@@ -234,7 +235,8 @@ def look_up(embeddings, ids):
 def holds_outside_state(value):
     """Whether `value` is a TensorFlow variable or resource (state that a
     layer keeps outside Keras variables)."""
-    return isinstance(value, (tf.Variable, compat.CapturableResource))
+    return isinstance(
+        value, (tf.Variable, tensorflow_compat.CapturableResource))
 
 
 def trace(function, specs):
