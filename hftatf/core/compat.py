@@ -451,9 +451,10 @@ def exclude_from_weight_decay_like(optimizer, source):
 
 
 # -- training --
-# What `FusedModel` (hftatf.model, hftatf.training) and its passes and seeds
-# take from Keras's and TensorFlow's private API, one line each saying which
-# public API is missing (checked on Keras 3.15.1, TensorFlow 2.21).
+# What `FusedModel` (hftatf.model, hftatf.training) and its passes take
+# from Keras's private API, one line each saying which public API is
+# missing (checked on Keras 3.15.1; TensorFlow's, such as the seeds' key
+# derivation, is in `tensorflow_compat`).
 
 # No public symbolic run of a function (`keras.ops` has it per op).
 from keras.src.backend import compute_output_spec  # noqa: E402,F401
