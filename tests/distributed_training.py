@@ -59,6 +59,7 @@ def main(case):
         "models_and_batch": lambda: ModelAxisParallel(
             B, devices, model_devices=2),
     }[case]()
+    keras.utils.set_random_seed(0)
     initial = hftatf.fuse(network(), B).get_weights()
     ours, history = train(distribution, initial)
     theirs, expected = train(None, initial)

@@ -40,10 +40,14 @@ def run(case):
 def test_distributed_array_trains_as_on_one_device(case):
     report = run(case)
     assert report["devices"] == 4
-    # Each model's work stays on one device where the models are split:
-    # the same arithmetic; a batch split over devices sums its gradients
-    # in another order.
-    tolerance = 1e-6 if case == "models" else 1e-5
+    # A batch split over devices sums its gradients in another order; and
+    # where each device holds its own models, XLA compiles each device's
+    # step for its share of the models, which may round a sum otherwise
+    # (up to 16 float32 steps of the weights after these 8 steps, over 8
+    # random draws: 4e-7 here, and once 1.07e-6). A model trained on
+    # another's data or on the wrong shard would be off by the size of
+    # its change, which must be 100 times the tolerance.
+    tolerance = 1e-5
     assert report["largest_difference"] <= tolerance, report
     assert report["largest_change"] > 100 * tolerance, report
     assert report["losses_match"], report
