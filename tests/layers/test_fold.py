@@ -1002,7 +1002,7 @@ def test_per_batch_layers_train_in_a_fused_model_and_unfuse():
     hidden = keras.layers.Rescaling(255.0)(inputs)
     hidden = keras.layers.Pipeline([
         keras.layers.RandomFlip(seed=1), keras.layers.RandomHue(0.2)])(hidden)
-    hidden = keras.layers.RandAugment(seed=2)(hidden)
+    hidden = keras.layers.CutMix(seed=2)(hidden)
     hidden = keras.layers.MixUp(seed=3)(hidden)
     hidden = keras.layers.Rescaling(1 / 255.0)(hidden)
     hidden = keras.layers.Conv2D(2, 3, activation="relu")(hidden)
