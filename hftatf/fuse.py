@@ -108,6 +108,7 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         source=_source(model),
         name=name or f"fused_{model.name}",
     )
+    walker.run_in_stock_order(array)
     # Saved with the array's config, so that a reloaded (or selected)
     # array is laid out as asked; "auto" decides again where it loads.
     array._layout = requested

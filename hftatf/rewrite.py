@@ -8,9 +8,11 @@ import numpy as np
 
 from hftatf.core.compat import (
     Functional,
+    inbound_nodes,
     keras_history,
     nodes_by_depth,
     run_through_graph,
+    set_nodes_by_depth,
 )
 from hftatf.graph import input_structure, is_graph_model, weighted_layers
 from hftatf.layers import resolve
@@ -109,6 +111,9 @@ class Walker:
         self._broadcasts = {}
         self._folded = {}  # id([batch, B, ...] tensor) -> [batch * B, ...]
         self._calls = collections.Counter()  # id(stock layer) -> calls
+        # id(node) -> (node, rank): the nodes of the rebuilt graph in the
+        # order they were made, which follows the stock model's calls.
+        self._made = {}
 
     def input_like(self, reference, shared):
         shape = tuple(reference.shape)
@@ -251,9 +256,61 @@ class Walker:
                 outputs = self(layer, outputs)
         else:
             outputs = run_through_graph(model, inputs, call_fn=self)
-        return keras.tree.map_structure(self.per_model, outputs)
+        outputs = keras.tree.map_structure(self.per_model, outputs)
+        self._record(outputs)
+        return outputs
+
+    def _record(self, outputs):
+        """Ranks the nodes that made `outputs` and are not ranked yet,
+        each after the nodes it reads."""
+        stack = []
+        for tensor in keras.tree.flatten(outputs):
+            if isinstance(tensor, keras.KerasTensor):
+                operation, index, _ = keras_history(tensor)
+                stack.append((inbound_nodes(operation)[index], False))
+        while stack:
+            node, parents_ranked = stack.pop()
+            if id(node) in self._made:
+                continue
+            if parents_ranked:
+                self._made[id(node)] = (node, len(self._made))
+                continue
+            stack.append((node, True))
+            stack.extend((parent, False) for parent in reversed(
+                node.parent_nodes) if id(parent) not in self._made)
+
+    def run_in_stock_order(self, model):
+        """Has `model` (built on this walker's outputs) run its layers in
+        the order the stock model calls them where that matters: a layer
+        called more than once (a shared `BatchNormalization`, whose calls
+        each move its statistics) runs its calls in the stock order. Keras
+        runs a graph by depth, which the model-axis layers between the
+        fused layers change."""
+        self._record(model.outputs)  # any node the model made itself
+        by_depth = nodes_by_depth(model)
+        ranks = []
+        for depth in sorted(by_depth, reverse=True):
+            for node in by_depth[depth]:
+                if id(node) not in self._made:
+                    return  # not built by this walker alone
+                ranks.append(self._made[id(node)])
+        last = {}
+        in_order = True
+        for node, rank in ranks:
+            if rank < last.get(id(node.operation), -1):
+                in_order = False
+            last[id(node.operation)] = rank
+        if not in_order:
+            ranks.sort(key=lambda pair: pair[1])
+            set_nodes_by_depth(model, {len(ranks) - 1 - i: [node] for i, (
+                node, _) in enumerate(ranks)})
 
     def __call__(self, layer, *args, **kwargs):
+        outputs = self._call(layer, *args, **kwargs)
+        self._record(outputs)
+        return outputs
+
+    def _call(self, layer, *args, **kwargs):
         if is_graph_model(layer):
             return self._call_nested(layer, *args, **kwargs)
         if not isinstance(layer, keras.layers.Layer):
@@ -389,6 +446,7 @@ class Walker:
             nested = keras.Model(
                 keras.tree.pack_sequence_as(input_structure(model), inputs),
                 walker.run(model, inputs), name=model.name)
+            walker.run_in_stock_order(nested)
             nested.trainable = model.trainable
             if not model.trainable:
                 # The flag spread to every layer inside; some of the stock

@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
-from testing import assert_close
+from testing import assert_close, trains_like_stock
 
 import hftatf
 from hftatf.layers import FoldModelAxis, UnfoldModelAxis
@@ -326,3 +326,56 @@ def test_unsupported_layer_inside_a_nested_model_is_named():
         keras.ops.cast(block(x), "float32")))
     with pytest.raises(ValueError, match="odd"):
         hftatf.fuse(model, 2)
+
+
+def _twice_on_one_input(bn):
+    x = keras.Input((6,))
+    a = keras.layers.Dense(4)(x)
+    return x, bn(a) + bn(a * 2.0)
+
+
+def _twice_in_reverse(bn):
+    x = keras.Input((6,))
+    a = keras.layers.Dense(4)(x)
+    return x, bn(a * 2.0) + bn(a)
+
+
+def _twice_at_two_depths(bn):
+    # The stock graph runs `bn(x)` first: it is deeper. In the array, the
+    # raw operations after the other call run between model-axis folds,
+    # which make that call as deep.
+    x = keras.Input((4,))
+    dense = [keras.layers.Dense(4) for _ in range(4)]
+    deep = dense[2](dense[1](dense[0](bn(x))))
+    late = ops.tanh(ops.relu(bn(dense[3](x))))
+    return x, keras.layers.Concatenate()([deep, late])
+
+
+def _nested_twice(bn):
+    inner_input = keras.Input((6,))
+    inner = keras.Model(inner_input, bn(keras.layers.Dense(4)(inner_input)))
+    x = keras.Input((6,))
+    return x, inner(x) + inner(x * 2.0)
+
+
+def _sequential_twice(bn):
+    inner = keras.Sequential([keras.layers.Dense(4), bn])
+    x = keras.Input((6,))
+    return x, inner(x) + inner(x * 2.0)
+
+
+@pytest.mark.parametrize("graph", [
+    _twice_on_one_input, _twice_in_reverse, _twice_at_two_depths,
+    _nested_twice, _sequential_twice],
+    ids=["one_input", "reverse", "two_depths", "nested", "sequential"])
+def test_a_layer_called_twice_updates_its_state_in_the_stock_order(graph):
+    # Each call of a shared BatchNormalization moves its statistics: the
+    # second call starts from the first call's. A fast momentum makes the
+    # order show far above float32 rounding.
+    keras.utils.set_random_seed(0)
+    inputs, outputs = graph(keras.layers.BatchNormalization(momentum=0.5))
+    model = keras.Model(inputs, keras.layers.Dense(2)(outputs))
+    rng = np.random.default_rng(0)
+    x = rng.normal(1.0, 1.0, size=(8, *inputs.shape[1:])).astype("float32")
+    y = rng.normal(size=(8, 2)).astype("float32")
+    trains_like_stock(model, x, y)

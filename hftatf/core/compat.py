@@ -392,6 +392,12 @@ def nodes_by_depth(model):
     return model._nodes_by_depth
 
 
+def set_nodes_by_depth(model, by_depth):
+    """Sets the `{depth: [node]}` by which a functional model runs its
+    graph, deepest first (no public graph API)."""
+    model._nodes_by_depth = by_depth
+
+
 def keras_history(tensor):
     """The `(operation, node_index, tensor_index)` that made a symbolic
     tensor (no public accessor)."""
