@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("backends")
         if marker is not None and BACKEND not in marker.args:
             item.add_marker(pytest.mark.skip(reason=(
-                f"holds on {', '.join(marker.args)} only (Keras runs on "
+                f"runs on {', '.join(marker.args)} only (Keras runs on "
                 f"{BACKEND}): {marker.kwargs.get('reason', '')}")))
     if not ON_GPU:
         return

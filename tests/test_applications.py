@@ -74,8 +74,12 @@ def without_dropout(model):
     return model
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(APPLICATIONS))
+# The two smallest run with the suite (on TensorFlow: `slow`); the largest
+# only when asked (their layers are checked here and in tests/layers).
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow if name in (
+        "MobileNetV3Small", "EfficientNetB0") else pytest.mark.full_scale)
+    for name in sorted(APPLICATIONS)])
 def test_applications_fuse_exactly(name):
     models = [without_dropout(build_application(name))
               for _ in range(NUM_MODELS)]

@@ -14,9 +14,10 @@ def readme_commands():
 
 MAIN_JOB = 'python -m pip install -e ".[data]" && hftatf-train'
 TESTS = ('python -m pip install -e ".[dev]" && '
-         "python -m pytest -n auto --maxprocesses 4 --dist loadgroup && "
+         "python -m pytest -n auto --maxprocesses 4 --dist loadgroup "
+         '-m "not full_scale" && '
          "KERAS_BACKEND=jax python -m pytest -n auto --maxprocesses 4 "
-         '--dist loadgroup -m "not slow"')
+         '--dist loadgroup -m "not slow and not full_scale"')
 
 
 def test_readme_has_the_two_setup_commands():

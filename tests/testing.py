@@ -6,6 +6,7 @@ import weakref
 
 import keras
 import numpy as np
+import pytest
 
 BACKEND = keras.backend.backend()
 
@@ -19,6 +20,14 @@ RTOL = 1e-5
 # CPU). JAX compiles a step with XLA only: `jit_compile=False` runs each
 # operation eagerly there, each compiled on its own, which takes longer.
 STEP_JIT = BACKEND == "jax"
+
+# A test of a stock zoo network alone (its layers, shapes and parameter
+# counts, or that it is keras.applications' network), with no array: no
+# backend changes what it checks, and the array tests build and train each
+# zoo network on each backend. It runs on the default backend only.
+STOCK_NETWORK = pytest.mark.backends(
+    "tensorflow", reason="checks a stock network's structure, the same on "
+    "every backend; the array tests run each zoo network on each")
 
 # TensorFlow's batched matmuls: oneDNN's on a CPU, and the Eigen kernel
 # `hftatf.layers.backends.tensorflow_ops.batch_matmul` picks for small products.

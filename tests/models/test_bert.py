@@ -4,7 +4,7 @@ arrays against stock models, export, and learning on CPython's docs."""
 import keras
 import numpy as np
 import pytest
-from testing import STEP_JIT, assert_close
+from testing import STEP_JIT, STOCK_NETWORK, assert_close
 
 import hftatf
 from hftatf.core.devices import compiling_with_xla
@@ -41,6 +41,7 @@ def mlm_batch(n=16, length=10, seed=0):
 # -- the stock model --------------------------------------------------------
 
 
+@STOCK_NETWORK
 @pytest.mark.parametrize("size", ["tiny", "base"])
 def test_spec_table_sizes(size):
     spec = bert.SPECS[size]
@@ -171,7 +172,7 @@ def test_recipes(name):
 # -- convergence ------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.full_scale
 def test_array_masked_lm_loss_decreases_clearly():
     data_args = dict(sequence_length=32, vocabulary_size=1000)
     train, validation = masked_lm.masked_lm_data(32, **data_args)

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 import pytest
-from testing import STEP_JIT, assert_close, value_and_gradients
+from testing import STEP_JIT, STOCK_NETWORK, assert_close, value_and_gradients
 
 import hftatf
 from hftatf.models import dcgan, recipes
@@ -40,6 +40,7 @@ def fused_gan(num_models=B, start=None):
 # -- builders ---------------------------------------------------------------
 
 
+@STOCK_NETWORK
 @pytest.mark.parametrize("size", [8, 16, 32])
 def test_builders_give_dcgan_shapes(size):
     generator = dcgan.build_generator(latent_dim=10, image_size=size,
@@ -375,7 +376,7 @@ def test_recipe():
 # -- convergence ------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.full_scale
 def test_gan_array_trains_on_digits_with_finite_losses():
     recipe = recipes.get("dcgan")
     train, validation = recipe.data(64, **recipe.data_args)

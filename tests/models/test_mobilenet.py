@@ -4,7 +4,7 @@ stock models, export, recipes, and learning on scikit-learn's digits."""
 import keras
 import numpy as np
 import pytest
-from testing import STEP_JIT, assert_close, compiled_call
+from testing import STEP_JIT, STOCK_NETWORK, assert_close, compiled_call
 from zoo_testing import (
     DIGITS_VALIDATION,
     EAGER,
@@ -50,6 +50,7 @@ def keras_application(name, alpha):
     return application(include_preprocessing=False, **kwargs)
 
 
+@STOCK_NETWORK
 @pytest.mark.parametrize("name, alpha", [("v2", 0.5), ("v3_small", 0.75),
                                          ("v3_large", 0.5)])
 def test_same_network_as_keras_applications(name, alpha):
@@ -75,6 +76,7 @@ def test_same_network_as_keras_applications(name, alpha):
     assert_close(compiled_call(model, x), compiled_call(reference, x))
 
 
+@STOCK_NETWORK
 @pytest.mark.parametrize("name, channels, stem_strides, side", [
     ("v2", 1280, 2, 1), ("v3_small", 288, 1, 2), ("v3_large", 480, 1, 2)])
 def test_32x32_inputs(name, channels, stem_strides, side):
@@ -85,6 +87,7 @@ def test_32x32_inputs(name, channels, stem_strides, side):
     assert compiled_call(model, x).shape == (2, CLASSES)
 
 
+@STOCK_NETWORK
 def test_v3_blocks_follow_the_spec():
     model = mobilenet.mobilenet_v3_small(input_shape=(32, 32, 3))
     for index, (_, filters, kernel, strides, squeeze, activation) in (
@@ -209,7 +212,7 @@ def test_recipes(name):
 # -- learning ---------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.full_scale
 def test_array_learns_digits():
     keras.utils.set_random_seed(0)
     train, validation = data.digit_images(

@@ -5,7 +5,7 @@ of parametric shapes."""
 import keras
 import numpy as np
 import pytest
-from testing import STEP_JIT, assert_close, compiled_call
+from testing import STEP_JIT, STOCK_NETWORK, assert_close, compiled_call
 from zoo_testing import (
     EAGER,
     assert_export_round_trip,
@@ -61,6 +61,7 @@ def orthogonality(matrices, weight=0.001):
 # -- the stock model --------------------------------------------------------
 
 
+@STOCK_NETWORK
 def test_output_shapes():
     x, _ = clouds(2)
     assert tiny_classifier()(x).shape == (2, CLASSES)
@@ -225,7 +226,7 @@ def test_recipes(name, target):
 # -- learning ---------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.full_scale
 def test_array_learns_shapes():
     keras.utils.set_random_seed(0)
     train, validation = data.shapes(32, num_points=128)

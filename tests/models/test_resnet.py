@@ -4,7 +4,7 @@ recipe, and learning on scikit-learn's digits."""
 import keras
 import numpy as np
 import pytest
-from testing import STEP_JIT, compiled_call
+from testing import STEP_JIT, STOCK_NETWORK, compiled_call
 from zoo_testing import (
     DIGITS_VALIDATION,
     EAGER,
@@ -32,6 +32,7 @@ def images(n=16, size=16, seed=0):
 # -- the stock model --------------------------------------------------------
 
 
+@STOCK_NETWORK
 @pytest.mark.parametrize("depth, parameters", [(18, 11_689_512),
                                                (34, 21_797_672)])
 def test_imagenet_sizes_match_the_reference(depth, parameters):
@@ -43,6 +44,7 @@ def test_imagenet_sizes_match_the_reference(depth, parameters):
         parameters)
 
 
+@STOCK_NETWORK
 @pytest.mark.parametrize("stem, size, final", [("cifar", 32, 4),
                                                ("imagenet", 64, 2)])
 def test_stems_and_stage_resolutions(stem, size, final):
@@ -129,7 +131,7 @@ def test_recipes(name):
 # -- learning ---------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.full_scale
 def test_array_learns_digits():
     keras.utils.set_random_seed(0)
     train, validation = data.digit_images(

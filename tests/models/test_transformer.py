@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from testing import (
     STEP_JIT,
+    STOCK_NETWORK,
     assert_close,
     compare_layer_with_stock,
     randomize_weights,
@@ -36,6 +37,7 @@ def token_batch(n=16, length=10, seed=0):
 # -- the stock model --------------------------------------------------------
 
 
+@STOCK_NETWORK
 @pytest.mark.parametrize("size", sorted(transformer.SPECS))
 def test_spec_table_sizes(size):
     spec = transformer.SPECS[size]
@@ -195,7 +197,7 @@ def test_recipe():
 # -- convergence ------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.full_scale
 def test_array_perplexity_falls_well_below_the_unigram_baseline():
     data_args = dict(sequence_length=32, vocabulary_size=1000)
     train, validation = text.language_model_data(32, **data_args)
