@@ -256,9 +256,7 @@ class Walker:
                 outputs = self(layer, outputs)
         else:
             outputs = run_through_graph(model, inputs, call_fn=self)
-        outputs = keras.tree.map_structure(self.per_model, outputs)
-        self._record(outputs)
-        return outputs
+        return keras.tree.map_structure(self.per_model, outputs)
 
     def _record(self, outputs):
         """Ranks the nodes that made `outputs` and are not ranked yet,
@@ -286,14 +284,11 @@ class Walker:
         each move its statistics) runs its calls in the stock order. Keras
         runs a graph by depth, which the model-axis layers between the
         fused layers change."""
-        self._record(model.outputs)  # any node the model made itself
+        self._record(model.outputs)  # with the nodes the model made itself
         by_depth = nodes_by_depth(model)
-        ranks = []
-        for depth in sorted(by_depth, reverse=True):
-            for node in by_depth[depth]:
-                if id(node) not in self._made:
-                    return  # not built by this walker alone
-                ranks.append(self._made[id(node)])
+        ranks = [self._made[id(node)]
+                 for depth in sorted(by_depth, reverse=True)
+                 for node in by_depth[depth]]
         last = {}
         in_order = True
         for node, rank in ranks:
