@@ -996,37 +996,65 @@ def test_aug_mix_draws_per_model_and_passes_inference_through():
     assert_close(keras.ops.convert_to_numpy(fused(x, training=False)), x)
 
 
-def test_per_batch_layers_train_in_a_fused_model_and_unfuse():
-    rng = np.random.default_rng(16)
+def augmented_model():
+    """A small convolutional model behind per-batch augmentation layers,
+    each with its own seed."""
     inputs = keras.Input((8, 8, 3))
     hidden = keras.layers.Rescaling(255.0)(inputs)
     hidden = keras.layers.Pipeline([
-        keras.layers.RandomFlip(seed=1), keras.layers.RandomHue(0.2)])(hidden)
+        keras.layers.RandomFlip(seed=1),
+        keras.layers.RandomHue(0.2, seed=4)])(hidden)
     hidden = keras.layers.CutMix(seed=2)(hidden)
     hidden = keras.layers.MixUp(seed=3)(hidden)
     hidden = keras.layers.Rescaling(1 / 255.0)(hidden)
     hidden = keras.layers.Conv2D(2, 3, activation="relu")(hidden)
     outputs = keras.layers.Dense(1)(
         keras.layers.GlobalAveragePooling2D()(hidden))
-    model = keras.Model(inputs, outputs)
-    array = hftatf.fuse(model, NUM_MODELS)
-    assert sum(isinstance(layer, FusedPerModel)
-               for layer in array._flatten_layers()) == 3
-    # Built, stock layers without a build of their own included (Keras's
-    # fit would otherwise call the array on the data to build it).
-    assert all(layer.built for layer in array._flatten_layers())
-    array.compile("sgd", loss="mse")
+    return keras.Model(inputs, outputs)
+
+
+def test_per_batch_layers_train_in_a_fused_model_and_unfuse():
+    rng = np.random.default_rng(16)
     x = rng.uniform(0.0, 1.0, (8, 8, 8, 3)).astype("float32")
-    history = array.fit(x, np.zeros((8, 1)), epochs=2, batch_size=4,
-                        verbose=0)
-    assert np.all(np.isfinite(history.history["loss"]))
+    y = rng.normal(size=(8, 1)).astype("float32")
+    model = augmented_model()
+    trained, start = [], None
+    for run_eagerly in (False, True):
+        array = hftatf.fuse(model, NUM_MODELS)
+        assert sum(isinstance(layer, FusedPerModel)
+                   for layer in array._flatten_layers()) == 3
+        # Built, stock layers without a build of their own included
+        # (Keras's fit would otherwise call the array on the data to
+        # build it).
+        assert all(layer.built for layer in array._flatten_layers())
+        if start is None:
+            # Every model starts from model 0's weights.
+            start = [np.repeat(w[:1], NUM_MODELS, axis=0)
+                     for w in array.get_weights()]
+        array.set_weights(start)
+        array.compile("sgd", loss="mse", run_eagerly=run_eagerly)
+        history = array.fit(x, y, epochs=2, batch_size=4, shuffle=False,
+                            verbose=0)
+        trained.append((history.history, array.get_weights()))
+        if not run_eagerly:
+            compiled_array = array
+    # Run op by op (`run_eagerly=True`), the step draws what the compiled
+    # step draws, and the models train alike.
+    (compiled_logs, compiled), (eager_logs, eager) = trained
+    for b in range(NUM_MODELS):
+        assert_close(eager_logs[f"loss_{b}"], compiled_logs[f"loss_{b}"])
+    for got, want in zip(eager, compiled):
+        assert_close(got, want)
+    # From one start, the models trained apart: each drew its own
+    # augmentation.
+    assert not np.allclose(compiled[-2][0], compiled[-2][1])
     # In inference the augmentation passes its input through, as the
     # stock layers do: the unfused models predict what the array does.
-    y = array.predict(x, verbose=0)
-    for b, stock in enumerate(array.unfuse()):
+    predicted = compiled_array.predict(x, verbose=0)
+    for b, stock in enumerate(compiled_array.unfuse()):
         assert [type(layer) for layer in stock.layers] == [
             type(layer) for layer in model.layers]
-        assert_close(y[:, b], stock.predict(x, verbose=0))
+        assert_close(predicted[:, b], stock.predict(x, verbose=0))
 
 
 # -- Activity regularizers of weightless layers -------------------------------
