@@ -9,29 +9,21 @@ import subprocess
 import sys
 
 import pytest
+from testing import JAX_COLLECTIVE_TIMEOUT, with_xla_flags
 
 pytestmark = pytest.mark.backends(
     "jax", reason="keras.distribution lays variables out on JAX only")
 
 SCRIPT = pathlib.Path(__file__).with_name("distributed_training.py")
-RENDEZVOUS_ABORT = "Expected 4 threads to join the rendezvous"
 
 
 def run(case):
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(os.environ, KERAS_BACKEND="jax", XLA_FLAGS=(
-        f"{flags} --xla_force_host_platform_device_count=4".strip()))
-    for _ in range(2):
-        result = subprocess.run(
-            [sys.executable, str(SCRIPT), case], env=env, capture_output=True,
-            text=True, timeout=600)
-        # XLA's CPU runtime, which runs the 4 simulated devices on threads
-        # of one process, now and then aborts a collective when not all of
-        # them reach it within its 40 s (seen twice in a loaded test run,
-        # never alone): the run is tried once more. A program whose
-        # devices really wait on each other aborts both times.
-        if not (result.returncode < 0 and RENDEZVOUS_ABORT in result.stderr):
-            break
+    env = with_xla_flags({**os.environ, "KERAS_BACKEND": "jax"},
+                         "--xla_force_host_platform_device_count=4",
+                         JAX_COLLECTIVE_TIMEOUT)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), case], env=env, capture_output=True,
+        text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -412,6 +412,24 @@ def trains_like_stock(model, x, y, num_models=2):
             assert_close(got, want, err_msg=f"model {b}")
 
 
+# -- simulated devices -------------------------------------------------------
+
+# XLA's CPU runtime runs a process's simulated host devices
+# (`--xla_force_host_platform_device_count`) as its threads, and aborts the
+# process when they do not all reach a collective within 40 s, which a
+# loaded test machine can delay. The tests' processes allow 300 s: a
+# program whose devices really wait on each other still aborts. (JAX's XLA
+# only: TensorFlow's refuses the flag.)
+JAX_COLLECTIVE_TIMEOUT = (
+    "--xla_cpu_collective_call_terminate_timeout_seconds=300")
+
+
+def with_xla_flags(env, *flags):
+    """The process environment `env` with `flags` after its XLA_FLAGS."""
+    return {**env, "XLA_FLAGS": " ".join(
+        [env.get("XLA_FLAGS", ""), *flags]).strip()}
+
+
 # -- interrupted runs --------------------------------------------------------
 
 

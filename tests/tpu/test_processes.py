@@ -12,6 +12,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+from testing import JAX_COLLECTIVE_TIMEOUT, with_xla_flags
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -29,6 +30,8 @@ def launch(replicas, summary, *flags):
     env = {**os.environ, "KERAS_BACKEND": keras.backend.backend(),
            "PYTHONPATH": os.pathsep.join(
                [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if keras.backend.backend() == "jax":
+        env = with_xla_flags(env, JAX_COLLECTIVE_TIMEOUT)
     return subprocess.run(
         [sys.executable, str(HERE / "launcher_process.py"), str(replicas),
          str(summary), *flags], env=env, cwd=ROOT,
