@@ -1018,8 +1018,10 @@ def test_per_batch_layers_train_in_a_fused_model_and_unfuse():
     x = rng.uniform(0.0, 1.0, (8, 8, 8, 3)).astype("float32")
     y = rng.normal(size=(8, 1)).astype("float32")
     model = augmented_model()
-    trained, start = [], None
-    for run_eagerly in (False, True):
+    # Every model starts from the stock model's weights.
+    start = [np.stack([w] * NUM_MODELS) for w in model.get_weights()]
+
+    def fit(run_eagerly):
         array = hftatf.fuse(model, NUM_MODELS)
         assert sum(isinstance(layer, FusedPerModel)
                    for layer in array._flatten_layers()) == 3
@@ -1027,31 +1029,28 @@ def test_per_batch_layers_train_in_a_fused_model_and_unfuse():
         # (Keras's fit would otherwise call the array on the data to
         # build it).
         assert all(layer.built for layer in array._flatten_layers())
-        if start is None:
-            # Every model starts from model 0's weights.
-            start = [np.repeat(w[:1], NUM_MODELS, axis=0)
-                     for w in array.get_weights()]
         array.set_weights(start)
         array.compile("sgd", loss="mse", run_eagerly=run_eagerly)
         history = array.fit(x, y, epochs=2, batch_size=4, shuffle=False,
                             verbose=0)
-        trained.append((history.history, array.get_weights()))
-        if not run_eagerly:
-            compiled_array = array
-    # Run op by op (`run_eagerly=True`), the step draws what the compiled
-    # step draws, and the models train alike.
-    (compiled_logs, compiled), (eager_logs, eager) = trained
+        return array, history.history
+
+    compiled, compiled_logs = fit(run_eagerly=False)
+    eager, eager_logs = fit(run_eagerly=True)
+    # Run op by op, the step draws what the compiled step draws, and the
+    # models train alike.
     for b in range(NUM_MODELS):
         assert_close(eager_logs[f"loss_{b}"], compiled_logs[f"loss_{b}"])
-    for got, want in zip(eager, compiled):
+    for got, want in zip(eager.get_weights(), compiled.get_weights()):
         assert_close(got, want)
     # From one start, the models trained apart: each drew its own
     # augmentation.
-    assert not np.allclose(compiled[-2][0], compiled[-2][1])
+    kernel = compiled.get_weights()[-2]
+    assert not np.allclose(kernel[0], kernel[1])
     # In inference the augmentation passes its input through, as the
     # stock layers do: the unfused models predict what the array does.
-    predicted = compiled_array.predict(x, verbose=0)
-    for b, stock in enumerate(compiled_array.unfuse()):
+    predicted = compiled.predict(x, verbose=0)
+    for b, stock in enumerate(compiled.unfuse()):
         assert [type(layer) for layer in stock.layers] == [
             type(layer) for layer in model.layers]
         assert_close(predicted[:, b], stock.predict(x, verbose=0))
