@@ -359,6 +359,8 @@ def test_a_second_compile_replaces_the_first_ones_logs():
 
 @pytest.mark.parametrize("metric,name", [
     (keras.metrics.F1Score, "f1_score"),
+    # Makes all of its variables but one at its first update.
+    (lambda: keras.metrics.R2Score(class_aggregation=None), "r2_score"),
     # Its result is its own variable of counts, one per threshold.
     (lambda: keras.metrics.TruePositives(thresholds=[0.2, 0.5], name="tp"),
      "tp")])

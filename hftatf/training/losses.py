@@ -180,12 +180,6 @@ class PerModelLosses:
         be, model by model."""
         metrics = self._model_metrics
         self._build_alike([metrics], 0, y, y_pred, sample_weight)
-        if metrics.groups is not None:
-            preds = self._model_predictions(y_pred)
-            for index, (group, pred) in enumerate(zip(metrics.groups, preds)):
-                group.update_state(*self._model_targets(
-                    y, y_pred, sample_weight, index, pred, training=training))
-            return
         values = metrics.values()
         updated = None
         if self.num_models > 1 and without_masks(y_pred):
@@ -317,14 +311,9 @@ class PerModelLosses:
         losses = self.compute_model_losses(x, y, y_pred, sample_weight,
                                            training=False)
         if self._model_metrics is not None and y is not None:
-            # Built from one model's shapes; updated model by model only
-            # where a metric makes its variables at its first update.
-            metrics = self._model_metrics
-            self._build_alike([metrics], 0, y, y_pred, sample_weight)
-            preds = self._model_predictions(y_pred)
-            for index, group in enumerate(metrics.groups or ()):
-                group.update_state(*self._model_targets(
-                    y, y_pred, sample_weight, index, preds[index]))
+            # Built from one model's shapes, which every model shares.
+            self._build_alike([self._model_metrics], 0, y, y_pred,
+                              sample_weight)
         return losses
 
     def _track(self, x, y, y_pred, sample_weight, losses, training=False):

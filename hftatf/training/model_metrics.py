@@ -8,9 +8,9 @@ variable of the array, model `b`'s value at index `b`. The array maps the
 template's update and result over the model axis (`PerModelLosses`), so
 that neither the variables nor the step's program grow with `B`.
 
-A metric that makes its variables at its first update (`F1Score`) has none
-to stack when the metrics are built: then each model keeps a
-`CompileMetrics` of its own, updated model by model.
+A metric that makes some or all of its variables at its first update
+(`F1Score`, `R2Score`) makes them when the metrics are built, as stock
+Keras makes them: by one update on symbolic tensors.
 """
 
 import keras
@@ -72,12 +72,11 @@ class ModelMetrics(CompileMetrics):
 
     Built (`build`, on one model's labels and predictions), it holds one
     `[B, *shape]` variable per variable of one model's `CompileMetrics`
-    (`stacked`), or, where a metric has no variables before its first
-    update, one `CompileMetrics` per model (`groups`). The pure functions
-    `updated` and `results` compute one model's metrics from its values of
-    the stacked variables, for the array to map over the models. A
-    `CompileMetrics` itself, which Keras's callbacks look for among a
-    model's metrics (the direction of a monitored metric).
+    (`stacked`). The pure functions `updated` and `results` compute one
+    model's metrics from its values of the stacked variables, for the
+    array to map over the models. A `CompileMetrics` itself, which Keras's
+    callbacks look for among a model's metrics (the direction of a
+    monitored metric).
 
     Args:
         num_models: the number of models `B`.
@@ -91,40 +90,34 @@ class ModelMetrics(CompileMetrics):
                  output_names=None):
         super().__init__(metrics, weighted_metrics, output_names=output_names)
         self.num_models = num_models
-        self._arguments = (metrics, weighted_metrics, output_names)
-        self.template = self._compiled()
-        self.groups = None
+        self.template = CompileMetrics(clone_metrics(metrics),
+                                       clone_metrics(weighted_metrics),
+                                       output_names=output_names)
         self.built = False
-
-    def _compiled(self):
-        metrics, weighted_metrics, output_names = self._arguments
-        return CompileMetrics(clone_metrics(metrics),
-                              clone_metrics(weighted_metrics),
-                              output_names=output_names)
 
     @compat.no_automatic_dependency_tracking
     def build(self, y_true, y_pred):
         """Builds the metrics on one model's labels and predictions (their
         shapes and dtypes, which every model shares)."""
         self.template.build(y_true, y_pred)
-        if all(metric.variables for metric in self.template.metrics):
-            for variable in self.template.variables:
-                self._add_stacked(variable)
-        else:
-            self.groups = [self.template] + [
-                self._compiled() for _ in range(self.num_models - 1)]
-            for group in self.groups[1:]:
-                group.build(y_true, y_pred)
+        # What a metric makes at its first update (all of `F1Score`'s
+        # variables, all but one of `R2Score`'s) must be there to stack.
+        compat.compute_output_spec(self.template.update_state, y_true,
+                                   y_pred)
+        for variable in self.template.variables:
+            self._add_stacked(variable)
         self.built = True
 
     def _add_stacked(self, variable):
         """The `[B, *shape]` variable of the template's `variable`, every
-        model starting at its initial value."""
-        start = ops.convert_to_tensor(variable.value)
+        model starting at its initial value. Read when the variable is
+        initialized: built inside a symbolic run, both are initialized
+        after it, in the order they were made."""
         self.add_variable(
             (self.num_models, *variable.shape),
-            lambda shape, dtype: ops.broadcast_to(ops.cast(start, dtype),
-                                                  shape),
+            lambda shape, dtype: ops.broadcast_to(
+                ops.cast(ops.convert_to_tensor(variable.value), dtype),
+                shape),
             dtype=variable.dtype, aggregation=variable.aggregation,
             name=variable.name)
 
@@ -135,15 +128,12 @@ class ModelMetrics(CompileMetrics):
 
     @property
     def stacked(self):
-        """The `[B, *shape]` variables (empty where unbuilt or held per
-        model)."""
-        return [] if self.groups is not None else list(self._variables)
+        """The `[B, *shape]` variables (empty where unbuilt)."""
+        return list(self._variables)
 
     @property
     def variables(self):
-        if self.groups is not None:
-            return [v for group in self.groups for v in group.variables]
-        return list(self._variables)
+        return self.stacked
 
     def values(self):
         """The current values of the stacked variables."""
@@ -179,8 +169,6 @@ class ModelMetrics(CompileMetrics):
     def model_results(self):
         """Each model's results (a dict by name per model), model by
         model."""
-        if self.groups is not None:
-            return [group.result() for group in self.groups]
         values = self.values()
         return [self.results([value[index] for value in values])
                 for index in range(self.num_models)]
@@ -192,10 +180,6 @@ class ModelMetrics(CompileMetrics):
                 for name in results[0]} if results else {}
 
     def reset_state(self):
-        if self.groups is not None:
-            for group in self.groups:
-                group.reset_state()
-            return
         variables = self.template.variables
         values = [variable.value for variable in variables]
         with keras.StatelessScope(
