@@ -38,7 +38,8 @@ def check_no_custom_steps(model, names=_STEP_METHODS):
     base = keras.Sequential if isinstance(model, keras.Sequential) else (
         Functional)
     custom = [name for name in names
-              if getattr(type(model), name, None) is not getattr(base, name)]
+              if getattr(type(model), name, None) is not getattr(
+                  base, name, None)]
     if custom:
         methods = ", ".join(f"`{name}`" for name in custom)
         raise ValueError(

@@ -192,3 +192,40 @@ def test_a_backend_switched_after_import_is_refused():
         assert line.startswith(f"{name} refused:"), result.stdout
         assert f"imported on Keras's {backend!r} backend" in line
         assert "in a new process" in line
+
+
+NUMPY_PROBE = """
+import keras
+import numpy as np
+import hftatf
+x = np.random.default_rng(0).normal(size=(8, 4)).astype("float32")
+array = hftatf.fuse(keras.Sequential([keras.Input((4,)),
+                                      keras.layers.Dense(3)]), 2)
+outputs = np.asarray(array.predict(x, verbose=0))
+models = array.unfuse(compile=False)
+print(outputs.shape)
+print(max(float(np.max(np.abs(
+    outputs[:, b] - np.asarray(model.predict(x, verbose=0)))))
+    for b, model in enumerate(models)))
+array.compile(hftatf.optimizers.SGD(0.1), loss="mse")
+try:
+    array.fit(x, np.zeros((8, 3)), verbose=0)
+except (NotImplementedError, ValueError) as error:
+    print("fit refused:", error)
+"""
+
+
+@pytest.mark.backends("tensorflow", reason="the probe sets its own backend: "
+                      "a run under the JAX suite would repeat it")
+def test_a_backend_without_a_trainer_fuses_and_predicts():
+    # Keras's NumPy backend runs models but trains none: an array built
+    # there predicts as its stock models, and `fit` is refused.
+    result = subprocess.run(
+        [sys.executable, "-c", NUMPY_PROBE],
+        env={**os.environ, "KERAS_BACKEND": "numpy"}, capture_output=True,
+        text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shape, difference, refused = result.stdout.strip().splitlines()[-3:]
+    assert shape == "(8, 2, 3)", result.stdout
+    assert float(difference) < 1e-6, result.stdout
+    assert refused.startswith("fit refused:"), result.stdout

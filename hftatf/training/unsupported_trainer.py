@@ -10,9 +10,10 @@ class UnsupportedBackendTrainer:
 
     def make_train_function(self, force=False):
         raise ValueError(
-            "hftatf trains arrays on the TensorFlow backend; Keras runs on "
-            f"'{keras.backend.backend()}', for which hftatf has no trainer "
-            "yet. Set KERAS_BACKEND=tensorflow before importing Keras.")
+            "hftatf trains arrays on Keras's TensorFlow and JAX backends; "
+            f"Keras runs on '{keras.backend.backend()}', for which hftatf "
+            "has no trainer. Set KERAS_BACKEND=tensorflow or "
+            "KERAS_BACKEND=jax before importing Keras.")
 
     def _uses_replica_jit(self, jit_compile, run_eagerly):
         return False
