@@ -13,7 +13,10 @@ weights) of
     reads one batch, and the fused side is the one wide layer that
     `hftatf.fuse` builds on a shared input (a Dense or convolution).
 
-Both run in this process, in rounds that alternate stock and fused, and
+Both run in this process, on the Keras backend it runs on (TensorFlow:
+`tf.function` and a gradient tape; JAX: `jax.grad` of the layer called
+on its weights' values, under `jax.jit` with `--jit true`), in rounds that
+alternate stock and fused, and
 the speedups are medians of the ratios of side-by-side rounds, in
 wall-clock and in processor time (all threads; the steadier measure on a
 throttled machine). The table also gives the size of one model's output
@@ -40,7 +43,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+from keras import ops  # noqa: E402
+
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+else:
+    import jax
 
 from benchmarks import flags  # noqa: E402
 from benchmarks.flags import parse_overrides  # noqa: E402
@@ -79,9 +87,11 @@ def parse_args(argv):
                              "e.g. 64,256,32")
     parser.add_argument("--num_models", default="8",
                         help="comma-separated array sizes B")
-    parser.add_argument("--jit", default="false",
+    parser.add_argument("--jit", default=None,
                         help="comma-separated jit_compile settings of both "
-                             "sides: false, true")
+                             "sides: false, true (default: false on "
+                             "TensorFlow; true on JAX, where stock Keras "
+                             "compiles its steps)")
     parser.add_argument("--shared_input", action="store_true",
                         help="every model reads the same batch; the fused "
                              "side is one wide layer (Dense, convolutions)")
@@ -91,6 +101,9 @@ def parse_args(argv):
                         help="side-by-side rounds (medians are reported)")
     args = parser.parse_args(argv)
     args.num_models = flags.array_sizes(parser, args.num_models)
+    if args.jit is None:
+        args.jit = "false" if keras.backend.backend() == "tensorflow" else (
+            "true")
     jit_names = flags.comma_list(parser, "--jit", args.jit.lower())
     if not set(jit_names) <= {"true", "false"}:
         parser.error(f"--jit takes true and false, comma-separated; "
@@ -138,8 +151,15 @@ def stock_layer(name, config):
 
 
 def training_step(layer, jit_compile):
-    """A compiled function of `x`: the layer's output and the gradients of
-    `0.5 * sum(y ** 2)` with respect to `x` and the layer's weights."""
+    """A function of `x`: the gradients of `0.5 * sum(y ** 2)`, `y` the
+    layer's output in training, with respect to `x` and the layer's
+    weights, compiled by XLA with `jit_compile`."""
+    if keras.backend.backend() == "tensorflow":
+        return _tensorflow_step(layer, jit_compile)
+    return _jax_step(layer, jit_compile)
+
+
+def _tensorflow_step(layer, jit_compile):
     @tf.function(jit_compile=jit_compile)
     def step(x):
         with tf.GradientTape() as tape:
@@ -147,6 +167,29 @@ def training_step(layer, jit_compile):
             y = layer(x, training=True)
             loss = 0.5 * tf.reduce_sum(tf.square(y))
         return tape.gradient(loss, [x] + layer.trainable_variables)
+    return step
+
+
+def _jax_step(layer, jit_compile):
+    def loss(x, trainable, non_trainable):
+        # The layer called as a model calls it (`training` where its
+        # `call` takes it), on these values of its weights.
+        mapping = list(zip(layer.trainable_variables, trainable)) + list(
+            zip(layer.non_trainable_variables, non_trainable))
+        with keras.StatelessScope(state_mapping=mapping):
+            y = layer(x, training=True)
+        return 0.5 * ops.sum(ops.square(y))
+
+    gradients = jax.grad(loss, argnums=(0, 1))
+    if jit_compile:
+        gradients = jax.jit(gradients)
+
+    def step(x):
+        if not layer.built:
+            layer(x, training=True)
+        dx, dw = gradients(x, [v.value for v in layer.trainable_variables],
+                           [v.value for v in layer.non_trainable_variables])
+        return [dx, *dw]
     return step
 
 
@@ -165,7 +208,8 @@ def measure_case(name, config, shape, num_models, jit_compile, steps, rounds,
     """One row: the case's stock and fused timings (medians over rounds)
     and speedups. With `shared_input`, every model reads one batch."""
     rng = np.random.default_rng(seed)
-    inputs = [tf.constant(rng.standard_normal(shape, dtype="float32"))
+    inputs = [ops.convert_to_tensor(rng.standard_normal(shape,
+                                                        dtype="float32"))
               for _ in range(1 if shared_input else num_models)]
     stock = [stock_layer(name, config) for _ in range(num_models)]
     stock_steps = [training_step(layer, jit_compile) for layer in stock]
@@ -174,7 +218,7 @@ def measure_case(name, config, shape, num_models, jit_compile, steps, rounds,
     if shared_input:
         fused_inputs, inputs = inputs[0], inputs * num_models
     else:
-        fused_inputs = tf.stack(inputs, axis=1)
+        fused_inputs = ops.stack(inputs, axis=1)
     fused_step = training_step(fused_layer, jit_compile)
 
     def run_stock():
@@ -234,7 +278,8 @@ def print_row(row):
 
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    tf.get_logger().setLevel("ERROR")
+    if keras.backend.backend() == "tensorflow":
+        tf.get_logger().setLevel("ERROR")
     rows = []
     print_header()
     for name, config, shape in args.cases:

@@ -1,17 +1,14 @@
-"""The per-layer benchmark: its arguments and one tiny measurement of each
-kind (not a timing test: it checks the harness runs both sides and reports
-what it measured)."""
+"""The per-layer benchmark: its arguments, its step's gradients and one
+tiny measurement of each kind (not a timing test: it checks the harness
+runs both sides and reports what it measured), on either backend."""
 
 import pathlib
 import sys
 
+import keras
 import numpy as np
 import pytest
-
-pytestmark = pytest.mark.backends(
-    "tensorflow", reason="benchmarks.layers times TensorFlow steps "
-    "(tf.function, GradientTape) of the layers Keras builds")
-pytest.importorskip("tensorflow")
+from testing import assert_close
 
 # The harness lives next to the package, not inside it.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
@@ -22,7 +19,22 @@ from benchmarks import layers  # noqa: E402
 def test_parse_args_defaults_to_the_default_cases():
     args = layers.parse_args([])
     assert args.cases == list(layers.DEFAULT_CASES)
-    assert args.num_models == [8] and args.jit == [False]
+    # XLA by default where stock Keras compiles its steps (JAX).
+    on_jax = keras.backend.backend() == "jax"
+    assert args.num_models == [8] and args.jit == [on_jax]
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_training_step_gives_the_gradients_of_half_the_squared_output(
+        jit_compile):
+    layer = keras.layers.Dense(3, use_bias=False)
+    x = np.random.default_rng(0).normal(size=(4, 2)).astype("float32")
+    dx, dw = layers.training_step(layer, jit_compile)(
+        keras.ops.convert_to_tensor(x))
+    kernel = np.asarray(layer.kernel)
+    y = x @ kernel
+    assert_close(dx, y @ kernel.T)
+    assert_close(dw, x.T @ y)
 
 
 def test_parse_args_reads_one_case():
