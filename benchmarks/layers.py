@@ -45,10 +45,13 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import ops  # noqa: E402
 
+# XLA by default where stock Keras compiles its steps (JAX).
 if keras.backend.backend() == "tensorflow":
     import tensorflow as tf
+    DEFAULT_JIT = "false"
 else:
     import jax
+    DEFAULT_JIT = "true"
 
 from benchmarks import flags  # noqa: E402
 from benchmarks.flags import parse_overrides  # noqa: E402
@@ -87,7 +90,7 @@ def parse_args(argv):
                              "e.g. 64,256,32")
     parser.add_argument("--num_models", default="8",
                         help="comma-separated array sizes B")
-    parser.add_argument("--jit", default=None,
+    parser.add_argument("--jit", default=DEFAULT_JIT,
                         help="comma-separated jit_compile settings of both "
                              "sides: false, true (default: false on "
                              "TensorFlow; true on JAX, where stock Keras "
@@ -101,9 +104,6 @@ def parse_args(argv):
                         help="side-by-side rounds (medians are reported)")
     args = parser.parse_args(argv)
     args.num_models = flags.array_sizes(parser, args.num_models)
-    if args.jit is None:
-        args.jit = "false" if keras.backend.backend() == "tensorflow" else (
-            "true")
     jit_names = flags.comma_list(parser, "--jit", args.jit.lower())
     if not set(jit_names) <= {"true", "false"}:
         parser.error(f"--jit takes true and false, comma-separated; "

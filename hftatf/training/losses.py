@@ -215,7 +215,7 @@ class PerModelLosses:
         by model; None where the models' metrics are held per model or the
         backend does not map them."""
         metrics = self._model_metrics
-        if metrics is None or not metrics.stacked:
+        if metrics is None or not metrics.variables:
             return None
         return self._vectorized_map(metrics.results, metrics.values())
 

@@ -72,7 +72,7 @@ class ModelMetrics(CompileMetrics):
 
     Built (`build`, on one model's labels and predictions), it holds one
     `[B, *shape]` variable per variable of one model's `CompileMetrics`
-    (`stacked`). The pure functions `updated` and `results` compute one
+    (`variables`). The pure functions `updated` and `results` compute one
     model's metrics from its values of the stacked variables, for the
     array to map over the models. A `CompileMetrics` itself, which Keras's
     callbacks look for among a model's metrics (the direction of a
@@ -127,21 +127,17 @@ class ModelMetrics(CompileMetrics):
         return self.template.metrics
 
     @property
-    def stacked(self):
-        """The `[B, *shape]` variables (empty where unbuilt)."""
-        return list(self._variables)
-
-    @property
     def variables(self):
-        return self.stacked
+        """The stacked `[B, *shape]` variables (empty where unbuilt)."""
+        return list(self._variables)
 
     def values(self):
         """The current values of the stacked variables."""
-        return [variable.value for variable in self.stacked]
+        return [variable.value for variable in self.variables]
 
     def assign(self, values):
         """Sets the stacked variables to `values` (`[B, *shape]` each)."""
-        for variable, value in zip(self.stacked, values):
+        for variable, value in zip(self.variables, values):
             variable.assign(value)
 
     def updated(self, y_true, y_pred, sample_weight, values):
@@ -186,7 +182,7 @@ class ModelMetrics(CompileMetrics):
                 state_mapping=list(zip(variables, values))) as scope:
             self.template.reset_state()
         for variable, value in zip(
-                self.stacked, current_values(scope, variables, values)):
+                self.variables, current_values(scope, variables, values)):
             variable.assign(ops.broadcast_to(value, variable.shape))
 
 
