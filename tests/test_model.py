@@ -172,6 +172,33 @@ def test_labels_shared_or_per_model_by_shape_and_loss(case):
         assert_close(logs[f"loss_{b}"], expected)
 
 
+def test_labels_of_another_shape_than_the_last_calls_are_read_anew():
+    # Labels shared by the models, then one column per model (of the same
+    # rank), then shared of another rank, then per model again, on one
+    # array: each call reads its labels as an array given only them.
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(16, 6)).astype("float32")
+    shared, per_model = rng.normal(size=(16, 1)), rng.normal(size=(16, B))
+    inputs = keras.Input((6,))
+    array = hftatf.fuse(keras.Model(inputs, keras.layers.Dense(1)(inputs)),
+                        B)
+    array.compile(hftatf.optimizers.SGD(LEARNING_RATES), loss="mse")
+    for labels in (shared, per_model, shared[:, 0], per_model):
+        start = array.unfuse(compile=False)
+        logs = array.evaluate(x, labels, verbose=0, return_dict=True)
+        array.fit(x, labels, batch_size=8, shuffle=False, verbose=0)
+        trained = array.unfuse(compile=False)
+        for b, model in enumerate(start):
+            model.compile(keras.optimizers.SGD(LEARNING_RATES[b]),
+                          loss="mse")
+            own = labels[:, b:b + 1] if labels is per_model else labels
+            assert_close(logs[f"loss_{b}"], model.evaluate(x, own, verbose=0))
+            model.fit(x, own, batch_size=8, shuffle=False, verbose=0)
+            for got, want in zip(trained[b].get_weights(),
+                                 model.get_weights()):
+                assert_close(got, want, err_msg=f"model {b}")
+
+
 def test_predict_and_evaluate_layout():
     x, y = data(n=10)
     array = sgd_classifier_array()

@@ -124,6 +124,21 @@ def _assign_models(variable, value, models):
     tf.cond(tf.reduce_any(models), select, lambda: None)
 
 
+def _label_shapes(data):
+    """The shapes, batch axis left out, of the labels and sample weights
+    of `data` (a batch, or its specs), which the step routes to the models
+    by: None where `data` is None."""
+    if data is None:
+        return None
+    if not isinstance(data, tuple):
+        data = tuple(data) if isinstance(data, list) else (data,)
+    _, labels, weights = keras.utils.unpack_x_y_sample_weight(data)
+    return [None if getattr(t, "shape", None) is None
+            or getattr(t.shape, "rank", 0) is None
+            else tuple(t.shape)[1:] for t in keras.tree.flatten(
+                (labels, weights))]
+
+
 class TensorFlowTrainer:
     """Mixin of `FusedModel`: its steps on the TensorFlow backend (see the
     module docstring for what a backend trainer provides)."""
@@ -144,12 +159,13 @@ class TensorFlowTrainer:
         data (`element_spec`: no batch is taken), so that `tf.function`
         traces the step once: a step that creates variables is traced
         twice, which at B in the thousands is most of a first epoch."""
+        if data_batch is None and iterator is not None:
+            data_batch = compat.epoch_element_spec(iterator)
+        self._data_label_shapes = _label_shapes(data_batch)
         if self._distribute_strategy is not None:
             super()._maybe_symbolic_build(iterator=iterator,
                                           data_batch=data_batch)
             return
-        if data_batch is None:
-            data_batch = compat.epoch_element_spec(iterator)
         if data_batch is None:
             return
         try:
@@ -237,6 +253,7 @@ class TensorFlowTrainer:
         """As Keras's, but the step (this class's `train_step`, or a
         subclass's) is traced with its random draws taking their keys
         straight from their seeds (`hftatf.seeds`)."""
+        force = self._labels_changed("train") or force
         if self.train_function is not None and not force:
             return self.train_function
         self.train_function = self._expanding_logs(
@@ -245,9 +262,26 @@ class TensorFlowTrainer:
 
     def make_test_function(self, force=False):
         """As Keras's, giving each model's logs (`expand_model_logs`)."""
+        force = self._labels_changed("test") or force
         super().make_test_function(force=force)
         self.test_function = self._expanding_logs(self.test_function)
         return self.test_function
+
+    def _labels_changed(self, kind):
+        """Whether the data of this call (`_maybe_symbolic_build`) holds
+        labels or sample weights of other shapes than the data the `kind`
+        step ("train" or "test") was traced for. `tf.function` would trace
+        such a step again for shapes relaxed to the sizes they share, where
+        an axis of unknown size could not tell per-model labels from
+        shared ones: the step is made anew instead, and traced for these
+        shapes."""
+        shapes = getattr(self, "_data_label_shapes", None)
+        if shapes is None:
+            return False
+        traced = vars(self).setdefault("_step_label_shapes", {})
+        changed = traced.get(kind, shapes) != shapes
+        traced[kind] = shapes
+        return changed
 
     def _expanding_logs(self, function):
         """`function` (Keras's step over an iterator), whose logs give
