@@ -234,3 +234,26 @@ def test_no_model_trains_past_a_refused_batch(monkeypatch, seconds):
     assert not array.diverged_models.any() and array.active_models.all()
     # The flags the interrupted fit left refuse no later batch.
     array.train_on_batch(x[:BATCH], y[:BATCH])
+
+
+def test_refused_calls_leave_the_array_as_it_was():
+    # A refused call between others (a predict, an evaluate, a fit, each
+    # given data that does not fit) neither brings back weights set
+    # before it nor leaves the array unable to go on.
+    x, y = inputs(), class_ids((16,))
+    array = array_of(classifier, 2, "sparse_categorical_crossentropy")
+    array.fit(x, y, batch_size=BATCH, verbose=0)
+    with pytest.raises(ValueError):
+        array.predict(x[:, :5], verbose=0)
+    weights = [np.full_like(w, 0.25) for w in weights_of(array)]
+    array.set_weights(weights)
+    wrong_labels = class_ids((16, 3))
+    with pytest.raises(ValueError, match="Cannot match labels"):
+        array.evaluate(x, wrong_labels, verbose=0)
+    with pytest.raises(ValueError, match="Cannot match labels"):
+        array.fit(x, wrong_labels, batch_size=BATCH, verbose=0)
+    for ours, theirs in zip(weights_of(array), weights):
+        np.testing.assert_array_equal(ours, theirs)
+    array.evaluate(x, y, verbose=0)
+    array.fit(x, y, batch_size=BATCH, verbose=0)
+    assert all(np.isfinite(w).all() for w in weights_of(array))

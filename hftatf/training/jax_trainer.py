@@ -111,10 +111,12 @@ class JAXTrainer:
             try:
                 outputs, state = function(state, iterator)
             except Exception:
-                if not getattr(self, "_jax_state", None):
-                    self._jax_state = dict(zip(names, state))
-                    self._jax_state_synced = False
+                # The state this step was given is the latest: a state
+                # Keras kept is the last step's, or a failed call's before.
+                self._jax_state = dict(zip(names, state))
+                self._jax_state_synced = False
                 self.jax_state_sync()
+                self._jax_state = None
                 raise
             return expand_model_logs(outputs, self._model_values), state
 
