@@ -31,6 +31,7 @@ from hftatf.rewrite import (
     check_no_weights_shared_into_per_model_layers,
 )
 from hftatf.training.model_metrics import clone_metrics
+from hftatf.training.surgery import set_weight_states, weight_states
 
 LAYOUTS = ("auto", "batch_first", "models_first")
 
@@ -109,6 +110,9 @@ def fuse(model, num_models, shared_inputs=True, name=None,
         name=name or f"fused_{model.name}",
     )
     walker.run_in_stock_order(array)
+    # What the stock layers' configs leave out: LoRA on an attention
+    # layer's projections, weights frozen apart from their layer.
+    set_weight_states(array, weight_states(model))
     # Saved with the array's config, so that a reloaded (or selected)
     # array is laid out as asked; "auto" decides again where it loads.
     array._layout = requested

@@ -24,7 +24,12 @@ from hftatf.core.validation import check_backend, check_num_models
 from hftatf.layers import convolutional, layer_state, per_model
 from hftatf.training import divergence, losses, routing, surgery
 from hftatf.training.divergence import ModelStatus
-from hftatf.training.surgery import set_trainable_flags, trainable_flags
+from hftatf.training.surgery import (
+    set_trainable_flags,
+    set_weight_states,
+    trainable_flags,
+    weight_states,
+)
 from hftatf.training.trainer import Trainer
 
 
@@ -408,6 +413,9 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
                       "source": self.source_config}
             # Flags set since fusing are not in the source's config.
             config["trainable_flags"] = trainable_flags(self)
+            states = weight_states(self)
+            if states:
+                config["weight_states"] = states
         config.update(num_models=self.num_models,
                       shared_inputs=list(self._shared_inputs))
         if self._source_json is not None and self._layout != "auto":
@@ -425,10 +433,12 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         # files saved before `trainable_flags` hold them.
         flags = config.pop("trainable_flags", None) or config.pop(
             "inner_trainable", {})
+        states = config.pop("weight_states", {})
         if source is not None:
             stock = keras.saving.deserialize_keras_object(
                 source, custom_objects=custom_objects)
             set_trainable_flags(stock, flags)
+            set_weight_states(stock, states)
             array = hooks.call(
                 "fuse", stock, num_models, shared_inputs=shared_inputs,
                 name=config.get("name"), model_class=cls, layout=layout)

@@ -13,6 +13,8 @@ without TensorFlow on another Keras backend.
 
 # -- layers --
 
+import contextlib  # noqa: E402
+
 from keras.src import backend as _keras_backend  # noqa: E402
 
 
@@ -110,6 +112,18 @@ def inner_layers(layer, include_self=True):
     layers first: Keras's `_flatten_layers`, which it does not export
     (checked on Keras 3.15)."""
     return list(layer._flatten_layers(include_self=include_self))
+
+
+@contextlib.contextmanager
+def unlocked_tracker(layer):
+    """A block in which the built `layer` may add weights, as the stock
+    layers' `enable_lora` unlocks theirs (`_tracker`, private in Keras
+    3.15)."""
+    layer._tracker.unlock()
+    try:
+        yield
+    finally:
+        layer._tracker.lock()
 
 
 def inbound_nodes(layer):

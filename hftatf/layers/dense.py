@@ -18,6 +18,7 @@ from hftatf.layers import registry
 from hftatf.layers.backends import compiling_with_xla
 from hftatf.layers.base import FusedLayer
 from hftatf.layers.kernels import add_bias_by_rows, as_one_sample, batch_matmul
+from hftatf.layers.lora import LoraLayer, lora_property
 
 
 def products_models_first(input_shape, num_models, size_in, size_out,
@@ -245,7 +246,7 @@ def _models_first(equation):
 
 @hftatf_export
 @registry.register(keras.layers.Dense)
-class FusedDense(FusedLayer):
+class FusedDense(LoraLayer, FusedLayer):
     """`keras.layers.Dense` for an array of `num_models` models.
 
     Layout:
@@ -277,9 +278,12 @@ class FusedDense(FusedLayer):
         kernel_regularizer, bias_regularizer, activity_regularizer,
         kernel_constraint, bias_constraint: as in `keras.layers.Dense`;
             regularizers and constraints apply to each model's slice.
-        lora_rank, lora_alpha, quantization_config: accepted for signature
-            parity with `keras.layers.Dense`; must be `None` (LoRA and
-            quantization are not supported in arrays).
+        lora_rank, lora_alpha: as in `keras.layers.Dense`: LoRA enabled
+            when the layer is built, each model with its own factors
+            (`hftatf.layers.lora`; `enable_lora` enables it later).
+        quantization_config: accepted for signature parity with
+            `keras.layers.Dense`; must be `None` (quantization is not
+            supported in arrays).
         shared_input: whether the input is one batch shared by all models
             (`[batch, ..., in_features]`) rather than `[batch, B, ...]`.
         models_first: whether activations have the models first.
@@ -314,15 +318,12 @@ class FusedDense(FusedLayer):
                 "Received an invalid value for `units`, expected a positive "
                 f"integer. Received: units={units!r}"
             )
-        for arg, value in (("lora_rank", lora_rank),
-                           ("quantization_config", quantization_config)):
-            if value is not None:
-                raise ValueError(
-                    f"FusedDense does not support `{arg}`. Received: "
-                    f"{arg}={value!r}. Fuse the model before enabling LoRA or "
-                    "quantization on the exported per-model models."
-                )
-        del lora_alpha
+        if quantization_config is not None:
+            raise ValueError(
+                "FusedDense does not support `quantization_config`. "
+                f"Received: quantization_config={quantization_config!r}. "
+                "Quantize the exported per-model models instead.")
+        self.init_lora(lora_rank, lora_alpha)
         self.units = units
         self.activation = keras.activations.get(activation)
         self.use_bias = use_bias
@@ -351,7 +352,7 @@ class FusedDense(FusedLayer):
             self.input_spec = keras.layers.InputSpec(
                 min_ndim=3, axes={self.model_axis: self.num_models,
                                   -1: input_shape[-1]})
-        self.kernel = self.add_model_weight(
+        self._kernel = self.add_model_weight(
             (input_shape[-1], self.units),
             name="kernel",
             initializer=self.kernel_initializer,
@@ -367,6 +368,9 @@ class FusedDense(FusedLayer):
                 regularizer=self.bias_regularizer,
                 constraint=self.bias_constraint,
             )
+        self.build_lora()
+
+    kernel = lora_property("kernel")
 
     def call(self, inputs, training=None):
         if not self.shared_input:
@@ -413,7 +417,7 @@ class FusedDense(FusedLayer):
                 self.bias_constraint),
             "shared_input": self.shared_input,
         })
-        return config
+        return self.with_lora_config(config)
 
 
 # The three equation forms of `keras.layers.EinsumDense`: no ellipsis, an

@@ -18,6 +18,7 @@ from hftatf.layers.dense import (
     products_models_first,
 )
 from hftatf.layers.kernels import as_one_sample
+from hftatf.layers.lora import LoraLayer, lora_property
 
 _EINSUM_FORMS = (
     ("plain", re.compile(r"([a-zA-Z]+),([a-zA-Z]+)->([a-zA-Z]+)")),
@@ -227,7 +228,7 @@ def _with_fan_axes(initializer, input_axes, output_axes):
 
 @hftatf_export
 @registry.register(keras.layers.EinsumDense)
-class FusedEinsumDense(FusedLayer):
+class FusedEinsumDense(LoraLayer, FusedLayer):
     """`keras.layers.EinsumDense` for an array of `num_models` models.
 
     The stock equation is rewritten with a model axis: a fresh letter after
@@ -255,10 +256,12 @@ class FusedEinsumDense(FusedLayer):
             `keras.layers.EinsumDense` (`output_shape` excludes the batch
             axis, the model axis and the ellipsis); regularizers and
             constraints apply to each model's slice.
-        lora_rank, lora_alpha, gptq_unpacked_column_size,
-        quantization_config: accepted for signature parity with
-            `keras.layers.EinsumDense`; must be `None` (LoRA and quantization
-            are not supported in arrays).
+        lora_rank, lora_alpha: as in `keras.layers.EinsumDense`: LoRA
+            enabled when the layer is built, each model with its own
+            factors (`hftatf.layers.lora`; `enable_lora` enables it later).
+        gptq_unpacked_column_size, quantization_config: accepted for
+            signature parity with `keras.layers.EinsumDense`; must be `None`
+            (quantization is not supported in arrays).
     """
 
     def __init__(
@@ -282,20 +285,19 @@ class FusedEinsumDense(FusedLayer):
     ):
         super().__init__(num_models, **kwargs)
         for arg, value in (
-                ("lora_rank", lora_rank),
                 ("gptq_unpacked_column_size", gptq_unpacked_column_size),
                 ("quantization_config", quantization_config)):
             if value:
                 raise ValueError(
                     f"FusedEinsumDense does not support `{arg}`. Received: "
-                    f"{arg}={value!r}. Fuse the model before enabling LoRA "
-                    "or quantization on the exported per-model models.")
+                    f"{arg}={value!r}. Quantize the exported per-model "
+                    "models instead.")
         if self.dtype_policy.quantization_mode is not None:
             raise ValueError(
                 "FusedEinsumDense does not support quantized dtype policies. "
                 f"Received: dtype={self.dtype_policy.name!r}. Use a float "
                 "dtype policy.")
-        del lora_alpha
+        self.init_lora(lora_rank, lora_alpha)
         _split_einsum_equation(equation)
         self.equation = equation
         if isinstance(output_shape, int):
@@ -323,7 +325,7 @@ class FusedEinsumDense(FusedLayer):
             ndim=len(input_shape), axes={1: self.num_models})
         self._fused_equation = plan.equation
         self._matmul = plan.matmul
-        self.kernel = self.add_model_weight(
+        self._kernel = self.add_model_weight(
             plan.kernel_shape,
             name="kernel",
             initializer=_with_fan_axes(self.kernel_initializer,
@@ -347,6 +349,9 @@ class FusedEinsumDense(FusedLayer):
             layout = _stock_bias_layout(plan.output_shape, plan.bias_shape)
             self._bias_shape = (self.num_models, *(layout or (
                 *(1,) * (plan.bias_start - 1), *plan.bias_shape)))
+        self.build_lora()
+
+    kernel = lora_property("kernel")
 
     def products_models_first(self, input_shape):
         """Whether `call` on inputs of `input_shape` computes with the
@@ -412,4 +417,4 @@ class FusedEinsumDense(FusedLayer):
             "bias_constraint": keras.constraints.serialize(
                 self.bias_constraint),
         })
-        return config
+        return self.with_lora_config(config)

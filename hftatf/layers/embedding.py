@@ -10,6 +10,7 @@ from hftatf.core.validation import check_model_axis
 from hftatf.layers import registry
 from hftatf.layers.backends import gather_clamps_ids, look_up
 from hftatf.layers.base import FusedLayer
+from hftatf.layers.lora import LoraLayer, lora_property
 
 __all__ = ["FusedEmbedding"]
 
@@ -23,7 +24,7 @@ def _check_dim(name, value):
 
 @hftatf_export
 @registry.register(keras.layers.Embedding)
-class FusedEmbedding(FusedLayer):
+class FusedEmbedding(LoraLayer, FusedLayer):
     """`keras.layers.Embedding` for an array of `num_models` models.
 
     Layout:
@@ -74,13 +75,19 @@ class FusedEmbedding(FusedLayer):
         weights: optional initial tables, `[B, input_dim, output_dim]` (or a
             list holding that one array), as the stock `weights` argument
             with the model axis in front.
-        lora_rank, lora_alpha, quantization_config: accepted for signature
-            parity with `keras.layers.Embedding`; must be `None` (LoRA and
-            quantization are not supported in arrays).
+        lora_rank, lora_alpha: as in `keras.layers.Embedding`: LoRA
+            enabled when the layer is built, each model with its own
+            factors (`hftatf.layers.lora`; `enable_lora` enables it
+            later). With LoRA the gradient is dense, as in the stock layer.
+        quantization_config: accepted for signature parity with
+            `keras.layers.Embedding`; must be `None` (quantization is not
+            supported in arrays).
     """
 
     # Whether the table's gradient is sparse (see above).
     sparse_gradient = True
+    # The weight that LoRA adapts (`hftatf.layers.lora`).
+    lora_target = "embeddings"
 
     def __init__(
         self,
@@ -104,19 +111,17 @@ class FusedEmbedding(FusedLayer):
                 "Argument `input_length` is deprecated. Just remove it.",
                 stacklevel=2)
         super().__init__(num_models, **kwargs)
-        for arg, value in (("lora_rank", lora_rank),
-                           ("quantization_config", quantization_config)):
-            if value:
-                raise ValueError(
-                    f"FusedEmbedding does not support `{arg}`. Received: "
-                    f"{arg}={value!r}. Fuse the model before enabling LoRA "
-                    "or quantization on the exported per-model models.")
+        if quantization_config:
+            raise ValueError(
+                "FusedEmbedding does not support `quantization_config`. "
+                f"Received: quantization_config={quantization_config!r}. "
+                "Quantize the exported per-model models instead.")
         if self.dtype_policy.quantization_mode is not None:
             raise ValueError(
                 "FusedEmbedding does not support quantized dtype policies. "
                 f"Received: dtype={self.dtype_policy.name!r}. Use a float "
                 "dtype policy.")
-        del lora_alpha
+        self.init_lora(lora_rank, lora_alpha)
         self.input_dim = input_dim
         self.output_dim = output_dim
         self.embeddings_initializer = keras.initializers.get(
@@ -142,13 +147,16 @@ class FusedEmbedding(FusedLayer):
             check_model_axis(self.name, self.num_models, input_shape)
         self.input_spec = keras.layers.InputSpec(
             min_ndim=2, axes={1: self.num_models})
-        self.embeddings = self.add_model_weight(
+        self._embeddings = self.add_model_weight(
             (self.input_dim, self.output_dim),
             name="embeddings",
             initializer=self.embeddings_initializer,
             regularizer=self.embeddings_regularizer,
             constraint=self.embeddings_constraint,
         )
+        self.build_lora()
+
+    embeddings = lora_property("embeddings")
 
     def call(self, inputs):
         if inputs.dtype != "int32" and inputs.dtype != "int64":
@@ -168,7 +176,8 @@ class FusedEmbedding(FusedLayer):
             ids = ops.clip(ids, 0, self.input_dim - 1) + offsets
         else:
             ids = ops.where(in_range, ids + offsets, size)
-        if self.sparse_gradient and self.embeddings_regularizer is None:
+        if (self.sparse_gradient and self.embeddings_regularizer is None
+                and not self.lora_enabled):
             outputs = look_up(self.embeddings, ids)
         else:
             # The regularizer's gradient is dense, and so is the sum of
@@ -203,5 +212,5 @@ class FusedEmbedding(FusedLayer):
                 self.embeddings_constraint),
             "mask_zero": self.mask_zero,
         })
-        return config
+        return self.with_lora_config(config)
 

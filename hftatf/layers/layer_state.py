@@ -1,6 +1,7 @@
 """What a stock layer holds besides its weights: state derived from them,
-state outside Keras variables, and the `trainable` flags of the layers
-inside it (which its config does not carry)."""
+state outside Keras variables, the `trainable` flags of the layers
+inside it and of its weights, and LoRA enabled inside it (which its
+config does not carry)."""
 
 import contextlib
 
@@ -8,6 +9,7 @@ import keras
 
 from hftatf.core import compat
 from hftatf.layers.backends import holds_outside_state
+from hftatf.layers.lora import lora_settings, match_lora
 
 
 def derives_state(layer):
@@ -99,3 +101,31 @@ def inner_trainable_flags(layer):
     holds)."""
     flags = trainable_flags(layer)[1:]
     return None if all(f == layer.trainable for f in flags) else flags
+
+
+def weight_state(layer):
+    """What the config of `layer` leaves out about its weights: LoRA
+    enabled on layers inside it (`lora.lora_settings`: an attention
+    layer's projections, or LoRA enabled after the layer was made) and
+    the `trainable` flag of each weight (a LoRA layer's frozen weight, a
+    frozen projection inside a trainable attention layer). None where
+    there is no LoRA and every weight's flag is its layer's own."""
+    settings = lora_settings(layer)
+    flags = [weight.trainable for weight in layer.weights]
+    if not settings and all(flag == layer.trainable for flag in flags):
+        return None
+    return {"lora": {name: list(setting)
+                     for name, setting in settings.items()},
+            "trainable": flags}
+
+
+def set_weight_state(layer, state):
+    """Gives the built `layer` the `weight_state` of a layer of its
+    architecture (stock or fused): LoRA on the layers inside it that had
+    it there, then each weight's `trainable` flag (where the two hold as
+    many weights)."""
+    match_lora(state["lora"], layer)
+    flags = state["trainable"]
+    if len(flags) == len(layer.weights):
+        for weight, flag in zip(layer.weights, flags):
+            weight.trainable = flag

@@ -9,7 +9,12 @@ from keras import ops
 
 from hftatf import optimizers as fused_optimizers
 from hftatf.core import compat
-from hftatf.graph import config_layers, graph_layers, is_graph_model
+from hftatf.graph import (
+    config_layers,
+    graph_layers,
+    is_graph_model,
+    weighted_layers,
+)
 from hftatf.layers import layer_state, objects, per_model
 
 
@@ -43,6 +48,33 @@ def set_trainable_flags(model, flags):
         if given is None:
             continue
         layer_state.set_trainable_flags(layer, given, strict=False)
+
+
+def weight_states(model):
+    """`{path: state}` of the graph `model`'s layers with weights that
+    have a `layer_state.weight_state` (LoRA inside them, weights frozen
+    apart from their layer), paths as `trainable_flags`'. A layer run per
+    model keeps its stock layer's state in its copies."""
+    found = {}
+    for path, layer in weighted_layers(model):
+        if isinstance(layer, per_model.FusedPerModel):
+            continue
+        state = layer_state.weight_state(layer)
+        if state is not None:
+            found[path] = state
+    return found
+
+
+def set_weight_states(model, states):
+    """Gives the layers of the graph `model` the `weight_states` of another
+    of its architecture, stock or fused (a layer run per model excepted,
+    as there)."""
+    layers = dict(weighted_layers(model))
+    for path, state in states.items():
+        layer = layers.get(path)
+        if layer is not None and not isinstance(layer,
+                                                per_model.FusedPerModel):
+            layer_state.set_weight_state(layer, state)
 
 
 def _restore_layer_names(model, config):
@@ -222,6 +254,7 @@ class Surgery:
         # Two copies: `_stock_classes` rewrites `source`'s lambdas.
         source, names = self.source_config, self.source_config
         flags = trainable_flags(self)
+        states = weight_states(self)
         models = []
         with self._stock_classes(source):
             for _ in range(count):
@@ -230,6 +263,7 @@ class Surgery:
                     copy.deepcopy(source), safe_mode=safe_mode)
                 _restore_layer_names(model, names)
                 set_trainable_flags(model, flags)
+                set_weight_states(model, states)
                 models.append(model)
         return models
 

@@ -888,9 +888,9 @@ def test_rejects_unknown_implementation():
         FusedConv2DTranspose(2, 2, 2, implementation="cudnn")
 
 
-def test_rejects_lora():
+def test_rejects_lora_where_the_stock_layer_has_none():
     with pytest.raises(ValueError, match="lora_rank"):
-        FusedConv2D(2, 2, 2, lora_rank=4)
+        FusedConv2DTranspose(2, 2, 2, lora_rank=4)
 
 
 def test_rejects_explicit_padding_list():

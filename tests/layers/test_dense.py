@@ -15,7 +15,6 @@ from testing import (
     moment_tolerance,
 )
 
-import hftatf
 from hftatf.layers import FusedDense
 
 BATCH = 4
@@ -436,18 +435,9 @@ def test_rejects_bad_units(units):
         FusedDense(2, units)
 
 
-def test_rejects_lora():
-    with pytest.raises(ValueError, match="lora_rank"):
-        FusedDense(2, UNITS, lora_rank=4)
-    # Fusing a model with a LoRA layer names the layer and the argument,
-    # not the whole config.
-    inputs = keras.Input((4,))
-    outputs = keras.layers.Dense(UNITS, lora_rank=2, name="adapted")(inputs)
-    with pytest.raises(ValueError,
-                       match=r"'adapted' \(Dense\): FusedDense does not "
-                             r"support `lora_rank`") as error:
-        hftatf.fuse(keras.Model(inputs, outputs), 2)
-    assert "config" not in str(error.value)
+def test_rejects_quantization():
+    with pytest.raises(ValueError, match="quantization_config"):
+        FusedDense(2, UNITS, quantization_config={"mode": "int8"})
 
 
 def test_rejects_wrong_model_axis():

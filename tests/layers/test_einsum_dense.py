@@ -282,11 +282,25 @@ def test_fuse_models_outputs_equal_each_model():
 # Bad input.
 
 
-@pytest.mark.parametrize("arg", ["lora_rank", "quantization_config",
+@pytest.mark.parametrize("arg", ["quantization_config",
                                  "gptq_unpacked_column_size"])
-def test_rejects_lora_and_quantization(arg):
+def test_rejects_quantization(arg):
     with pytest.raises(ValueError, match=arg):
         FusedEinsumDense(2, "ab,bc->ac", 4, **{arg: 4})
+
+
+def test_fusing_a_quantized_layer_names_it_and_the_argument():
+    # The refusal itself, not the whole config Keras's `from_config`
+    # prints around it.
+    inputs = keras.Input((4,))
+    outputs = keras.layers.EinsumDense("ab,bc->ac", 3, name="small")(inputs)
+    model = keras.Model(inputs, outputs)
+    model.quantize("int8")
+    with pytest.raises(ValueError, match=r"'small' \(EinsumDense\): "
+                       r"FusedEinsumDense does not support "
+                       r"`quantization_config`") as error:
+        hftatf.fuse(model, 2)
+    assert "Error when deserializing" not in str(error.value)
 
 
 @pytest.mark.parametrize("equation", ["ab,bc", "a...b,bc->a...c", "ab->b",

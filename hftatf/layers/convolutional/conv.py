@@ -14,9 +14,10 @@ from hftatf.layers.convolutional.base_conv import (
     folds_models,
     models_into_axis,
 )
+from hftatf.layers.lora import LoraLayer, lora_property
 
 
-class FusedBaseConv(FusedConvolutionBase):
+class FusedBaseConv(LoraLayer, FusedConvolutionBase):
     """N-D convolution (`keras.layers.ConvND`) for an array of B models.
 
     Layout:
@@ -42,6 +43,9 @@ class FusedBaseConv(FusedConvolutionBase):
         data_format: `"channels_last"` (or `None` where
             `keras.config.image_data_format()` is channels_last);
             channels_first is refused.
+        lora_rank, lora_alpha: as in `keras.layers.ConvND`: LoRA enabled
+            when the layer is built, each model with its own factors
+            (`hftatf.layers.lora`; `enable_lora` enables it later).
         implementation: `"auto"`, `"grouped"` or `"per_model"`: the kernel
             that computes the B convolutions (module docstring).
         shared_input: whether the input is one batch shared by all models,
@@ -57,6 +61,7 @@ class FusedBaseConv(FusedConvolutionBase):
                  bias_initializer="zeros", kernel_regularizer=None,
                  bias_regularizer=None, activity_regularizer=None,
                  kernel_constraint=None, bias_constraint=None,
+                 lora_rank=None, lora_alpha=None,
                  implementation="auto", shared_input=False, **kwargs):
         super().__init__(
             num_models, rank=rank, kernel_size=kernel_size, strides=strides,
@@ -69,6 +74,7 @@ class FusedBaseConv(FusedConvolutionBase):
             allow_causal=rank == 1, **kwargs)
         self.filters = filters
         self.groups = groups
+        self.init_lora(lora_rank, lora_alpha)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)
@@ -122,7 +128,7 @@ class FusedBaseConv(FusedConvolutionBase):
             )
         # Validates the spatial sizes as the stock layer does.
         self.compute_output_shape(input_shape)
-        self.kernel = self.add_model_weight(
+        self._kernel = self.add_model_weight(
             (*self.kernel_size, channels // self.groups, self.filters),
             name="kernel",
             initializer=self.kernel_initializer,
@@ -130,6 +136,9 @@ class FusedBaseConv(FusedConvolutionBase):
             constraint=self.kernel_constraint,
         )
         self._add_bias(self.filters)
+        self.build_lora()
+
+    kernel = lora_property("kernel")
 
     def call(self, inputs):
         padding = self.padding
@@ -186,7 +195,7 @@ class FusedBaseConv(FusedConvolutionBase):
                 self.kernel_constraint),
             "implementation": self.implementation,
         })
-        return config
+        return self.with_lora_config(config)
 
 
 @hftatf_export
