@@ -223,3 +223,16 @@ def test_enable_lora_refuses_as_the_stock_layer(rng):
     layer.enable_lora(2)
     with pytest.raises(ValueError, match="already enabled"):
         layer.enable_lora(2)
+
+
+def test_a_frozen_projection_in_a_trainable_attention_layer_stays_frozen():
+    # No LoRA: a flag the attention layer's config leaves out.
+    inputs = keras.Input((5, 8))
+    attention = L.MultiHeadAttention(2, 4, name="attention")
+    model = keras.Model(inputs, attention(inputs, inputs))
+    attention.key_dense.trainable = False
+    array = hftatf.fuse(model, B)
+    assert _trainable_paths(array) == _trainable_paths(model)
+    assert "attention/key/kernel" not in _trainable_paths(array)
+    for twin in array.unfuse():
+        assert _trainable_paths(twin) == _trainable_paths(model)
