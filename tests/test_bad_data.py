@@ -257,3 +257,17 @@ def test_refused_calls_leave_the_array_as_it_was():
     array.evaluate(x, y, verbose=0)
     array.fit(x, y, batch_size=BATCH, verbose=0)
     assert all(np.isfinite(w).all() for w in weights_of(array))
+
+
+def test_labels_without_a_model_axis_under_per_model_labels_are_refused():
+    x, y = inputs(), class_ids((16,))
+    array = hftatf.fuse(classifier(), 2)
+    array.compile(hftatf.optimizers.SGD(0.05),
+                  loss="sparse_categorical_crossentropy",
+                  per_model_labels=True)
+    before = weights_of(array)
+    with pytest.raises(ValueError, match=re.escape(
+            "per_model_labels=True, so its labels need a model axis of 2 "
+            "(`[batch, 2, ...]`")):
+        array.fit(x, y, batch_size=BATCH, verbose=0)
+    assert_untrained(array, before)

@@ -86,6 +86,18 @@ class LabelRouting:
         that fit neither for this B are refused, naming the shapes that
         would."""
         if self._per_model_labels is not None:
+            label_shape = (None, None) if getattr(
+                label.shape, "rank", 0) is None else tuple(label.shape)
+            if self._per_model_labels and (len(label_shape) < 2 or (
+                    label_shape[1] not in (None, self.num_models))):
+                raise ValueError(
+                    "This array is compiled with per_model_labels=True, "
+                    f"so its labels need a model axis of {self.num_models} "
+                    f"(`[batch, {self.num_models}, ...]`, one label per "
+                    f"model). Received labels of shape {label_shape}. Give "
+                    "each model its labels, or compile with "
+                    "per_model_labels=False (or None) for labels shared by "
+                    "all models.")
             return bool(self._per_model_labels)
         label_shape, pred_shape = tuple(label.shape), tuple(prediction.shape)
         takes_ids = takes_class_ids(loss)
@@ -264,8 +276,7 @@ class LabelRouting:
         if len(flat_y) != len(preds):
             preds = losses = [None] * len(flat_y)
         return [t is not None and (
-            p is not None and self._is_per_model(t, p, loss)
-            if self._per_model_labels is None
+            self._is_per_model(t, p, loss) if p is not None
             else bool(self._per_model_labels))
             for t, p, loss in zip(flat_y, preds, losses)]
 
