@@ -241,8 +241,13 @@ def _source(model):
 
 
 def _name_entries(model, config):
-    for layer, entry in zip(config_layers(model),
-                            config["config"]["layers"]):
+    entries = config["config"].get("layers")
+    if entries is None:
+        # A functional model of a class of its own that writes its
+        # constructor's arguments (keras-hub's models) builds its layers,
+        # named, from them.
+        return
+    for layer, entry in zip(config_layers(model), entries):
         entry.setdefault("name", layer.name)
         if is_graph_model(layer):
             _name_entries(layer, entry)

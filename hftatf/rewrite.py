@@ -92,8 +92,12 @@ class Walker:
     the `Dense`'s products). Every other layer, and the array's outputs, get
     `[batch, B, ...]` (one `SwapModelAxis` per tensor)."""
 
-    def __init__(self, num_models, models_first=False, check_model=None):
+    def __init__(self, num_models, models_first=False, check_model=None,
+                 owners=None):
         self.num_models = num_models
+        # id(stock layer with weights) -> (layer, the walker that fused it),
+        # shared with the walkers of nested models (`_owned`).
+        self._owners = {} if owners is None else owners
         self.models_first = models_first
         # Refuses a nested model that cannot be fused (`hftatf.fuse`'s
         # check of a whole model).
@@ -335,6 +339,7 @@ class Walker:
             args, kwargs = keras.tree.map_structure(
                 self.per_model, (args, kwargs))
         if id(layer) not in self._fused:
+            self._owned(layer)
             self._fused[id(layer)] = (layer, resolve.fuse_layer(
                 layer, self.num_models, shared_input=shared,
                 models_first=first))
@@ -428,6 +433,24 @@ class Walker:
             if key in self._nested_walkers:
                 yield from self._nested_walkers[key].pairs()
 
+    def _owned(self, layer):
+        """Refuses a layer with weights that another model of the graph
+        (a nested model, or the model around one) fuses too: each would
+        hold its own copy of weights the stock layer shares between them
+        (an output layer tied to a nested backbone's embedding, for
+        one)."""
+        owner = self._owners.setdefault(id(layer), (layer, self))[1]
+        if owner is not self and layer.weights:
+            raise ValueError(
+                f"hftatf cannot fuse layer '{layer.name}' "
+                f"({type(layer).__name__}): it is called both inside a "
+                "nested model and outside it (or in two nested models), "
+                "so those models share its weights, and the array would "
+                "give each its own copy. Call the layer from one model of "
+                "the graph: build the model without the nested model (its "
+                "layers called directly), or give each place a layer of "
+                "its own if they need not share weights.")
+
     def _call_nested(self, model, *args, **kwargs):
         """A functional or Sequential model used as a layer becomes a nested
         model of fused layers, with its name, taking per-model inputs."""
@@ -436,7 +459,7 @@ class Walker:
                 self.check_model(model)
             check_no_custom_steps(model, ("call",))
             walker = Walker(self.num_models, self.models_first,
-                            self.check_model)
+                            self.check_model, self._owners)
             inputs = [walker.input_like(x, shared=False)
                       for x in keras.tree.flatten(input_structure(model))]
             nested = keras.Model(

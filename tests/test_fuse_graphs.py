@@ -7,7 +7,7 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
-from testing import assert_close, compiled_call
+from testing import assert_close, compiled_call, trains_like_stock
 
 import hftatf
 from hftatf.layers import FoldModelAxis, UnfoldModelAxis
@@ -387,3 +387,82 @@ def test_a_layer_called_twice_updates_its_state_in_the_stock_order(graph):
         for got, want, weight in zip(ours.get_weights(), model.get_weights(),
                                      model.weights):
             assert_close(got, want, err_msg=f"{weight.path} of model {b}")
+
+
+@keras.saving.register_keras_serializable("hftatf_tests")
+class ConfiguredModel(keras.Model):
+    """A functional model of a class of its own whose config holds its
+    constructor's arguments, as keras-hub's backbones and tasks."""
+
+    def __init__(self, units=4, **kwargs):
+        inputs = keras.Input((3,))
+        hidden = keras.layers.Dense(units, activation="tanh",
+                                    name="hidden")(inputs)
+        super().__init__(inputs, keras.layers.Dense(2, name="head")(hidden),
+                         **kwargs)
+        self.units = units
+
+    def get_config(self):
+        return {"units": self.units, "name": self.name,
+                "trainable": self.trainable}
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_model_whose_config_holds_its_arguments_fuses(nested, tmp_path):
+    model = ConfiguredModel(units=5)
+    if nested:
+        inputs = keras.Input((3,))
+        model = keras.Model(inputs, keras.layers.Dense(1)(model(inputs)))
+    x = np.random.default_rng(0).normal(size=(8, 3)).astype("float32")
+    trains_like_stock(model, x, np.ones((8, 1 if nested else 2), "float32"))
+    array = hftatf.fuse(model, 2)
+    twins = array.unfuse()
+    assert all(type(twin) is type(model) for twin in twins)
+    array.save(tmp_path / "array.keras")
+    assert_close(keras.models.load_model(tmp_path / "array.keras").predict(
+        x, verbose=0), array.predict(x, verbose=0))
+
+
+def test_a_layer_shared_by_a_nested_model_and_its_outer_one_is_refused():
+    # The two places share the layer's weights (as a causal language
+    # model's head shares its backbone's embedding): one copy each in the
+    # array would untie them.
+    shared = keras.layers.Dense(4, name="tied")
+    inner_inputs = keras.Input((4,))
+    inner = keras.Model(inner_inputs, shared(inner_inputs), name="inner")
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, shared(inner(inputs)))
+    with pytest.raises(ValueError, match=r"'tied' \(Dense\): it is called "
+                       "both inside a nested model and outside it"):
+        hftatf.fuse(model, 2)
+
+
+class TakeRows(keras.layers.Layer):
+    """A layer of one's own (run per model) that takes integer positions,
+    and slices its table to its input's length, of unknown size in the
+    graph (as keras-hub's position embeddings)."""
+
+    def build(self, values_shape, positions_shape):
+        self.table = self.add_weight(shape=(16, values_shape[-1]),
+                                     initializer="glorot_uniform")
+
+    def call(self, values, positions):
+        table = ops.slice(ops.convert_to_tensor(self.table), (0, 0),
+                          (ops.shape(values)[1], values.shape[-1]))
+        return ops.take_along_axis(values + table, positions[:, :, None],
+                                   axis=1)
+
+    def compute_output_shape(self, values_shape, positions_shape):
+        return (*positions_shape, values_shape[-1])
+
+
+def test_a_layer_run_per_model_gets_integer_inputs_and_unknown_sizes():
+    values = keras.Input((None, 4))
+    positions = keras.Input((3,), dtype="int32")
+    hidden = keras.layers.Dense(4)(values)
+    model = keras.Model([values, positions], keras.layers.Dense(2)(
+        TakeRows()(hidden, positions)))
+    rng = np.random.default_rng(1)
+    x = [rng.normal(size=(8, 6, 4)).astype("float32"),
+         rng.integers(0, 6, (8, 3)).astype("int32")]
+    trains_like_stock(model, x, np.ones((8, 3, 2), "float32"))

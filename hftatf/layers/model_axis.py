@@ -56,6 +56,13 @@ class BroadcastToModels(keras.layers.Layer):
             return (self.num_models, *input_shape)
         return (input_shape[0], self.num_models, *input_shape[1:])
 
+    def compute_output_spec(self, inputs):
+        # The input's dtype: integer ids stay integers for the layers that
+        # take them (Keras gives a layer's symbolic output its compute
+        # dtype).
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape),
+                                 dtype=inputs.dtype)
+
     def get_config(self):
         config = super().get_config()
         config["num_models"] = self.num_models

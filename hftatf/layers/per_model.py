@@ -219,7 +219,17 @@ class FusedPerModel(FusedLayer):
             found.extend(i for i, w in enumerate(layer.weights)
                          if scope.get_current_value(w) is not None)
 
-        backends.trace(trace, specs)
+        try:
+            backends.trace(trace, specs)
+        except Exception:  # noqa: BLE001
+            # JAX traces an unknown size as a symbolic dimension, which a
+            # call that compares sizes cannot take (a table sliced to the
+            # sequence length): the weights a call assigns are the same
+            # at any size, so the call is traced again at size 2.
+            found.clear()
+            backends.trace(trace, [keras.KerasTensor(
+                [2 if size is None else size for size in spec.shape],
+                dtype=spec.dtype) for spec in specs])
         return found
 
     @property

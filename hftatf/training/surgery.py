@@ -83,7 +83,11 @@ def _restore_layer_names(model, config):
     your own whose config leaves its name out, or whose constructor does
     not hand it to Keras, comes back under another name, which its weights
     could not be matched by (`hftatf.graph.weighted_layers`)."""
-    entries = config["config"]["layers"]
+    entries = config["config"].get("layers")
+    if entries is None:
+        # A model whose config holds its constructor's arguments names its
+        # layers itself (`hftatf.fuse._name_entries`).
+        return
     layers = config_layers(model)
     if [type(layer).__name__ for layer in layers] != [
             entry["class_name"] for entry in entries]:
