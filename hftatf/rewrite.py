@@ -14,7 +14,12 @@ from hftatf.core.compat import (
     run_through_graph,
     set_nodes_by_depth,
 )
-from hftatf.graph import input_structure, is_graph_model, weighted_layers
+from hftatf.graph import (
+    graph_layers,
+    input_structure,
+    is_graph_model,
+    weighted_layers,
+)
 from hftatf.layers import resolve
 from hftatf.layers.fold import copy_layer, has_random_state
 from hftatf.layers.model_axis import (
@@ -78,6 +83,16 @@ def check_no_weights_shared_into_per_model_layers(model):
 
 
 
+class _Graphs:
+    """What the walkers of a model and of the models nested in it share:
+    the fused form of each stock layer (one, where the layer is called in
+    several of those graphs) and the layers called in several."""
+
+    def __init__(self):
+        self.fused = {}  # id(stock layer) -> (stock layer, fused layer)
+        self.several = None  # ids of layers called in several graphs
+
+
 class Walker:
     """Rebuilds a model's graph with fused layers, tracking which tensors
     are still shared by all models (`[batch, ...]`) and, with
@@ -93,11 +108,11 @@ class Walker:
     `[batch, B, ...]` (one `SwapModelAxis` per tensor)."""
 
     def __init__(self, num_models, models_first=False, check_model=None,
-                 owners=None):
+                 graphs=None):
         self.num_models = num_models
-        # id(stock layer with weights) -> (layer, the walker that fused it),
-        # shared with the walkers of nested models (`_owned`).
-        self._owners = {} if owners is None else owners
+        # What this walker shares with the walkers of the models nested in
+        # its model (and of the model around it).
+        self._graphs = _Graphs() if graphs is None else graphs
         self.models_first = models_first
         # Refuses a nested model that cannot be fused (`hftatf.fuse`'s
         # check of a whole model).
@@ -253,6 +268,11 @@ class Walker:
                      for nodes in nodes_by_depth(model).values()
                      for node in nodes]
         self._calls = collections.Counter(calls)
+        if self._graphs.several is None:
+            counts = collections.Counter(
+                id(layer) for _, layer in graph_layers(model))
+            self._graphs.several = {key for key, count in counts.items()
+                                    if count > 1}
         if self.models_first:
             self._find_consumers(model)
         if isinstance(model, keras.Sequential):
@@ -328,6 +348,14 @@ class Walker:
             outputs = self._stock_copies[id(layer)][1](*args, **kwargs)
             self._mark(outputs, True)
             return outputs
+        fused_elsewhere = self._graphs.fused.get(id(layer))
+        if id(layer) not in self._fused and fused_elsewhere is not None:
+            # Called in another model of the graph too (a nested model, or
+            # the one around it): one fused layer for both, whose weights
+            # they share, as the stock layer's.
+            self._fused[id(layer)] = fused_elsewhere
+            self._layouts[id(layer)] = getattr(fused_elsewhere[1],
+                                               "models_first", False)
         # A Dense or convolution on a shared tensor takes it as it is: no
         # per-model copies of the shared input.
         shared = self._takes_shared_input(layer, args, tensors)
@@ -339,10 +367,10 @@ class Walker:
             args, kwargs = keras.tree.map_structure(
                 self.per_model, (args, kwargs))
         if id(layer) not in self._fused:
-            self._owned(layer)
             self._fused[id(layer)] = (layer, resolve.fuse_layer(
                 layer, self.num_models, shared_input=shared,
                 models_first=first))
+            self._graphs.fused[id(layer)] = self._fused[id(layer)]
         outputs = self._fused[id(layer)][1](*args, **kwargs)
         self._mark(outputs, False, first)
         return outputs
@@ -356,6 +384,7 @@ class Walker:
                 # Called once in the stock graph: a layer applied to shared
                 # and per-model tensors needs one layout for its weights.
                 and self._calls[id(layer)] == 1
+                and id(layer) not in self._graphs.several
                 and resolve.takes_shared_input(layer))
 
     def _stock_shape(self, tensor):
@@ -433,24 +462,6 @@ class Walker:
             if key in self._nested_walkers:
                 yield from self._nested_walkers[key].pairs()
 
-    def _owned(self, layer):
-        """Refuses a layer with weights that another model of the graph
-        (a nested model, or the model around one) fuses too: each would
-        hold its own copy of weights the stock layer shares between them
-        (an output layer tied to a nested backbone's embedding, for
-        one)."""
-        owner = self._owners.setdefault(id(layer), (layer, self))[1]
-        if owner is not self and layer.weights:
-            raise ValueError(
-                f"hftatf cannot fuse layer '{layer.name}' "
-                f"({type(layer).__name__}): it is called both inside a "
-                "nested model and outside it (or in two nested models), "
-                "so those models share its weights, and the array would "
-                "give each its own copy. Call the layer from one model of "
-                "the graph: build the model without the nested model (its "
-                "layers called directly), or give each place a layer of "
-                "its own if they need not share weights.")
-
     def _call_nested(self, model, *args, **kwargs):
         """A functional or Sequential model used as a layer becomes a nested
         model of fused layers, with its name, taking per-model inputs."""
@@ -459,7 +470,7 @@ class Walker:
                 self.check_model(model)
             check_no_custom_steps(model, ("call",))
             walker = Walker(self.num_models, self.models_first,
-                            self.check_model, self._owners)
+                            self.check_model, self._graphs)
             inputs = [walker.input_like(x, shared=False)
                       for x in keras.tree.flatten(input_structure(model))]
             nested = keras.Model(

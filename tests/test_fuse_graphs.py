@@ -423,18 +423,39 @@ def test_a_model_whose_config_holds_its_arguments_fuses(nested, tmp_path):
         x, verbose=0), array.predict(x, verbose=0))
 
 
-def test_a_layer_shared_by_a_nested_model_and_its_outer_one_is_refused():
-    # The two places share the layer's weights (as a causal language
-    # model's head shares its backbone's embedding): one copy each in the
-    # array would untie them.
-    shared = keras.layers.Dense(4, name="tied")
+def tied_model():
+    """A layer called inside a nested model and outside it: the two share
+    its weights, as a causal language model's head shares its nested
+    backbone's embedding."""
+    shared = keras.layers.Dense(
+        4, kernel_initializer=keras.initializers.GlorotUniform(seed=1),
+        bias_initializer="ones", name="tied")
     inner_inputs = keras.Input((4,))
-    inner = keras.Model(inner_inputs, shared(inner_inputs), name="inner")
+    inner = keras.Model(inner_inputs, keras.layers.Dense(
+        4, activation="tanh", kernel_initializer=keras.initializers.Ones())(
+            shared(inner_inputs)), name="inner")
     inputs = keras.Input((4,))
-    model = keras.Model(inputs, shared(inner(inputs)))
-    with pytest.raises(ValueError, match=r"'tied' \(Dense\): it is called "
-                       "both inside a nested model and outside it"):
-        hftatf.fuse(model, 2)
+    return keras.Model(inputs, shared(inner(inputs)))
+
+
+def test_a_layer_shared_by_a_nested_model_and_its_outer_one_stays_tied():
+    rates = [0.05, 0.1]
+    array = hftatf.fuse_models([tied_model(), tied_model()])
+    assert len(array.weights) == len(tied_model().weights) == 4
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(8, 4)).astype("float32")
+    y = rng.normal(size=(8, 4)).astype("float32")
+    array.compile(hftatf.optimizers.SGD(rates), loss="mse")
+    array.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    for b, rate in enumerate(rates):
+        stock = tied_model()
+        stock.compile(keras.optimizers.SGD(rate), loss="mse")
+        stock.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        assert_close(array.predict(x, verbose=0)[:, b],
+                     stock.predict(x, verbose=0), err_msg=f"model {b}")
+        for got, want in zip(array.get_model_weights(b),
+                             stock.get_weights()):
+            assert_close(got, want, err_msg=f"model {b}")
 
 
 class TakeRows(keras.layers.Layer):
