@@ -477,8 +477,8 @@ class Walker:
                 keras.tree.pack_sequence_as(input_structure(model), inputs),
                 walker.run(model, inputs), name=model.name)
             walker.run_in_stock_order(nested)
-            nested.trainable = model.trainable
             if not model.trainable:
+                nested.trainable = False
                 # The flag spread to every layer inside; some of the stock
                 # model's were set back (`model.trainable = False`, then
                 # `model.get_layer(...).trainable = True`).

@@ -276,6 +276,19 @@ def test_frozen_layers_stay_frozen_per_model():
                            head_before[0])
 
 
+def test_a_frozen_layer_inside_a_trainable_nested_model_stays_frozen():
+    inputs = keras.Input((4,))
+    inner = keras.Model(inputs, keras.layers.Dense(3, name="frozen")(
+        keras.layers.Dense(4, name="free")(inputs)), name="inner")
+    inner.get_layer("frozen").trainable = False
+    outer_inputs = keras.Input((4,))
+    model = keras.Model(outer_inputs, keras.layers.Dense(2)(
+        inner(outer_inputs)))
+    array = hftatf.fuse(model, 2)
+    assert [w.path for w in array.trainable_weights] == [
+        w.path for w in model.trainable_weights]
+
+
 def test_masks_propagate_through_the_array():
     x = keras.Input((5, 3))
     h = keras.layers.Masking(mask_value=0.0)(x)

@@ -32,7 +32,9 @@ from hftatf.layers.layer_state import (
     outside_state,
     set_trainable,
     set_trainable_flags,
+    set_weight_state,
     state_derived_in_calls,
+    weight_state,
 )
 
 # Stock layers without weights that treat a batch as a whole: they mix its
@@ -150,6 +152,9 @@ class FusedPerModel(FusedLayer):
         inner_trainable: the `trainable` flags of the layers inside
             `layer`, outer layers first, where some differ from `layer`'s
             own (`from_stock` reads them from the stock layer).
+        weight_state: LoRA inside `layer` and the `trainable` flags of its
+            weights (`layer_state.weight_state` of the stock layer, which
+            its config leaves out), given to every copy once built.
         **kwargs: the stock `keras.layers.Layer` arguments.
     """
 
@@ -157,7 +162,8 @@ class FusedPerModel(FusedLayer):
     supports_models_first = True
 
     def __init__(self, layer, num_models, shared_input=False,
-                 models_first=False, inner_trainable=None, **kwargs):
+                 models_first=False, inner_trainable=None,
+                 weight_state=None, **kwargs):
         kwargs.setdefault("dtype", layer.dtype_policy)
         super().__init__(num_models, models_first=models_first, **kwargs)
         problem = refusal(layer)
@@ -176,6 +182,7 @@ class FusedPerModel(FusedLayer):
         # differ from the layer's own (`inner_trainable_flags`).
         self.inner_trainable = (None if inner_trainable is None
                                 else [bool(f) for f in inner_trainable])
+        self.weight_state = weight_state
         self._stacked = []  # [B, ...] variable per weight of the layer
         self._seeds = []  # seed generator per random state of the layer
         self._specs = None  # the per-model call's arguments, once built
@@ -245,6 +252,7 @@ class FusedPerModel(FusedLayer):
             return  # Keras's constructor sets it first
         set_trainable(self.layer, value)
         self.inner_trainable = None
+        self.weight_state = weight_state(self.layer)
         for variable, weight in zip(self._stacked, self.layer.weights):
             variable.trainable = weight.trainable
 
@@ -280,6 +288,7 @@ class FusedPerModel(FusedLayer):
         return cls(copy_layer(layer), num_models, shared_input=shared_input,
                    models_first=models_first,
                    inner_trainable=inner_trainable_flags(layer),
+                   weight_state=weight_state(layer),
                    name=layer.name, trainable=layer.trainable)
 
     @classmethod
@@ -333,6 +342,8 @@ class FusedPerModel(FusedLayer):
                 if not copy.built or copy is not self.layer:
                     copy(*args, **kwargs)
                 self._set_trainable_flags(copy)
+                if self.weight_state is not None:
+                    set_weight_state(copy, self.weight_state)
             template = self.layer
             outside = outside_state(template)
             if outside:
@@ -357,6 +368,8 @@ class FusedPerModel(FusedLayer):
             for index, weight in enumerate(template.weights):
                 self._stacked.append(self._stack_weight(
                     weight, [copy.weights[index] for copy in copies]))
+                # Keras makes a weight added to a frozen layer frozen too.
+                self._stacked[-1].trainable = weight.trainable
             stateful = [inner.name for inner in compat.inner_layers(template)
                         if getattr(inner, "stateful", False)]
             if stateful:
@@ -516,6 +529,8 @@ class FusedPerModel(FusedLayer):
             config["shared_input"] = True
         if self.inner_trainable is not None:
             config["inner_trainable"] = list(self.inner_trainable)
+        if self.weight_state is not None:
+            config["weight_state"] = self.weight_state
         return config
 
     @classmethod

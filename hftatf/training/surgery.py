@@ -54,11 +54,11 @@ def weight_states(model):
     """`{path: state}` of the graph `model`'s layers with weights that
     have a `layer_state.weight_state` (LoRA inside them, weights frozen
     apart from their layer), paths as `trainable_flags`'. A layer run per
-    model keeps its stock layer's state in its copies."""
+    model gives its stock layer's, which its copies hold."""
     found = {}
     for path, layer in weighted_layers(model):
         if isinstance(layer, per_model.FusedPerModel):
-            continue
+            layer = layer.layer
         state = layer_state.weight_state(layer)
         if state is not None:
             found[path] = state
@@ -67,8 +67,8 @@ def weight_states(model):
 
 def set_weight_states(model, states):
     """Gives the layers of the graph `model` the `weight_states` of another
-    of its architecture, stock or fused (a layer run per model excepted,
-    as there)."""
+    of its architecture, stock or fused (a layer run per model excepted:
+    it gives its copies its stock layer's as it builds them)."""
     layers = dict(weighted_layers(model))
     for path, state in states.items():
         layer = layers.get(path)

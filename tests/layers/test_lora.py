@@ -236,3 +236,46 @@ def test_a_frozen_projection_in_a_trainable_attention_layer_stays_frozen():
     assert "attention/key/kernel" not in _trainable_paths(array)
     for twin in array.unfuse():
         assert _trainable_paths(twin) == _trainable_paths(model)
+
+
+class AttentionBlock(keras.layers.Layer):
+    """A block of one's own around an attention layer: the array runs it
+    once per model."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attention = L.MultiHeadAttention(2, 4, name="attention")
+
+    def build(self, input_shape):
+        self.attention.build(input_shape, input_shape)
+
+    def call(self, inputs):
+        return self.attention(inputs, inputs) + inputs
+
+
+def test_lora_inside_a_frozen_layer_run_per_model_trains_as_stock(rng):
+    # keras-hub's `backbone.enable_lora`: the block frozen, its query
+    # projection trainable with LoRA.
+    inputs = keras.Input((5, 8))
+    block = AttentionBlock(name="block")
+    outputs = L.Dense(3, name="head")(L.GlobalAveragePooling1D()(
+        block(inputs)))
+    model = keras.Model(inputs, outputs)
+    block.trainable = False
+    block.attention.query_dense.trainable = True
+    block.attention.query_dense.enable_lora(2)
+    x, y = _inputs((5, 8), rng), rng.integers(0, 3, 32)
+    with pytest.warns(UserWarning, match="once per model"):
+        array = _with_random_factors(hftatf.fuse(model, B), rng)
+    # The query's bias and factors, and the head's kernel and bias.
+    assert len(array.trainable_weights) == len(model.trainable_weights) == 5
+    twins = array.unfuse()
+    array.compile(hftatf.optimizers.SGD(RATES), loss=LOSS)
+    array.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    trained = array.unfuse(compile=False)
+    for b, twin in enumerate(twins):
+        assert _trainable_paths(twin) == _trainable_paths(model)
+        twin.compile(keras.optimizers.SGD(RATES[b]), loss=LOSS)
+        twin.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        for got, want in zip(trained[b].weights, twin.weights):
+            assert_close(got, want, err_msg=f"{want.path}, model {b}")
