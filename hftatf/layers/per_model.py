@@ -85,7 +85,8 @@ def copy_layer(layer):
     try:
         with objects.scope([layer]):
             return type(layer).from_config(layer.get_config())
-    except (NotImplementedError, TypeError, ValueError) as error:
+    except (AttributeError, KeyError, NotImplementedError, TypeError,
+            ValueError) as error:
         raise ValueError(
             f"hftatf runs layer '{layer.name}' ({type(layer).__name__}) once "
             "per model, from copies of it made from its config, and could "

@@ -917,3 +917,11 @@ def test_a_layer_that_cannot_be_copied_from_its_config_is_named():
     model = keras.Model(inputs, Rigid()(inputs))
     with pytest.raises(ValueError, match="(?s)'rigid'.*could not copy.*kwargs"):
         hftatf.fuse(model, 2)
+
+    class Forgetful(layers.Dense):
+        def get_config(self):  # reads an attribute it never set
+            return {**super().get_config(), "scale": self.scale}
+
+    model = keras.Model(inputs, Forgetful(2, name="forgetful")(inputs))
+    with pytest.raises(ValueError, match="'forgetful'.*could not copy"):
+        hftatf.fuse(model, 2)
