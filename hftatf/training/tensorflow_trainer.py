@@ -159,13 +159,16 @@ class TensorFlowTrainer:
         data (`element_spec`: no batch is taken), so that `tf.function`
         traces the step once: a step that creates variables is traced
         twice, which at B in the thousands is most of a first epoch."""
-        if data_batch is None and iterator is not None:
-            data_batch = compat.epoch_element_spec(iterator)
-        self._data_label_shapes = _label_shapes(data_batch)
         if self._distribute_strategy is not None:
+            self._data_label_shapes = _label_shapes(
+                data_batch if data_batch is not None
+                else compat.epoch_element_spec(iterator))
             super()._maybe_symbolic_build(iterator=iterator,
                                           data_batch=data_batch)
             return
+        if data_batch is None:
+            data_batch = compat.epoch_element_spec(iterator)
+        self._data_label_shapes = _label_shapes(data_batch)
         if data_batch is None:
             return
         try:
