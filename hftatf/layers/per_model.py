@@ -369,8 +369,6 @@ class FusedPerModel(FusedLayer):
             for index, weight in enumerate(template.weights):
                 self._stacked.append(self._stack_weight(
                     weight, [copy.weights[index] for copy in copies]))
-                # Keras makes a weight added to a frozen layer frozen too.
-                self._stacked[-1].trainable = weight.trainable
             stateful = [inner.name for inner in compat.inner_layers(template)
                         if getattr(inner, "stateful", False)]
             if stateful:
@@ -406,7 +404,7 @@ class FusedPerModel(FusedLayer):
         stacked = np.stack([c.numpy() for c in copies])
         regularizer = getattr(weight, "regularizer", None)
         constraint = getattr(weight, "constraint", None)
-        return self.add_weight(
+        stacked_weight = self.add_weight(
             shape=(self.num_models, *weight.shape), name=weight.name,
             initializer=lambda shape, dtype: ops.cast(stacked, dtype),
             regularizer=(None if regularizer is None
@@ -414,6 +412,9 @@ class FusedPerModel(FusedLayer):
             constraint=(None if constraint is None
                         else Modelwise(constraint, self.num_models)),
             trainable=weight.trainable, dtype=weight.dtype, autocast=False)
+        # Keras makes a weight added to a frozen layer frozen too.
+        stacked_weight.trainable = weight.trainable
+        return stacked_weight
 
     @property
     def weights(self):

@@ -159,20 +159,17 @@ class TensorFlowTrainer:
         data (`element_spec`: no batch is taken), so that `tf.function`
         traces the step once: a step that creates variables is traced
         twice, which at B in the thousands is most of a first epoch."""
-        if self._distribute_strategy is not None:
-            self._data_label_shapes = _label_shapes(
-                data_batch if data_batch is not None
+        spec = (data_batch if data_batch is not None
                 else compat.epoch_element_spec(iterator))
+        self._data_label_shapes = _label_shapes(spec)
+        if self._distribute_strategy is not None:
             super()._maybe_symbolic_build(iterator=iterator,
                                           data_batch=data_batch)
             return
-        if data_batch is None:
-            data_batch = compat.epoch_element_spec(iterator)
-        self._data_label_shapes = _label_shapes(data_batch)
-        if data_batch is None:
+        if spec is None:
             return
         try:
-            self._symbolic_build(data_batch=data_batch)
+            self._symbolic_build(data_batch=spec)
         except Exception:  # noqa: BLE001
             # What cannot be built from shapes alone (a layer that needs
             # values) is built as Keras builds it without a strategy: in
