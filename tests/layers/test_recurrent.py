@@ -321,6 +321,19 @@ def test_stateful_matches_stock():
         assert_close(y[:, b], layer(x[:, b]), err_msg=f"model {b}")
 
 
+def test_stateful_layer_names_the_batch_size_it_was_built_for():
+    # Stock Keras refuses another batch size too; the array's message
+    # gives the sizes per model, not the folded ones of its states.
+    fused = FusedLSTM(NUM_MODELS, units=UNITS, stateful=True, name="lstm")
+    fused.build((BATCH, NUM_MODELS, STEPS, FEATURES))
+    x = np.zeros((BATCH * 2, NUM_MODELS, STEPS, FEATURES), "float32")
+    with pytest.raises(ValueError) as error:
+        fused(x)
+    assert (f"its states hold {BATCH} samples per model. Received a batch "
+            f"of {BATCH * 2} samples") in str(error.value)
+    assert f"`batch_size={BATCH}`" in str(error.value)
+
+
 # Dropout: independent per model, exact given the masks, off in inference.
 
 

@@ -189,6 +189,7 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
         # Checked on every call: a wrong model axis would otherwise fold
         # samples of different models together without an error.
         check_model_axis(self.name, self.num_models, tuple(sequences.shape))
+        self._check_stateful_batch(sequences)
         if initial_state is not None:
             initial_state = self._fold_initial_state(initial_state)
         outputs = super().call(
@@ -196,6 +197,24 @@ class FusedRecurrent(FusedLayer, keras.layers.RNN):
             mask=self._fold_mask(mask, sequences), training=training)
         return keras.tree.map_structure(
             lambda y: unfold_models(y, self.num_models), outputs)
+
+    def _check_stateful_batch(self, sequences):
+        """As the stock layer's check of a stateful layer's batch size,
+        in the sizes the user gave (the states hold the folded batch)."""
+        expected = getattr(self, "_expected_batch_size", None)
+        received = sequences.shape[0]
+        if (self.stateful and expected is not None and received is not None
+                and received * self.num_models != expected):
+            per_model = expected // self.num_models
+            raise ValueError(
+                f"Layer '{self.name}' is stateful, so the batch size of its "
+                f"input sequences must be the one it was built for, as for "
+                f"the stock layer: its states hold {per_model} "
+                f"samples per model. Received a batch of {received} samples "
+                f"(inputs of shape {tuple(sequences.shape)}). Pass "
+                f"`batch_size={per_model}` to `fit`, "
+                f"`evaluate` and `predict`, with a sample count that it "
+                f"divides.")
 
     def get_config(self):
         config = super().get_config()
