@@ -75,6 +75,10 @@ SHAPE_CASES = {
     "sample_weights_of_5_models_for_4": (
         regressor, 4, "mse", np.zeros((16, 1), "float32"),
         np.ones((16, 5), "float32"), "5)", ["(batch)", "(batch, 4)"]),
+    # A weight per class: Keras's losses weigh one value per sample.
+    "sample_weights_along_the_classes": (
+        classifier, 2, "sparse_categorical_crossentropy", class_ids((16,)),
+        np.ones((16, 2, 3), "float32"), "2, 3)", ["(batch)", "(batch, 2)"]),
     "class_ids_of_3_models_for_4": (
         classifier, 4, "sparse_categorical_crossentropy",
         class_ids((16, 3)), None, "3)", ["(batch)", "(batch, 4)"]),

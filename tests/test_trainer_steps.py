@@ -71,9 +71,12 @@ def fit_kwargs():
 
 
 @pytest.mark.parametrize("per_model_labels", [False, True])
-def test_per_model_sample_weights(per_model_labels):
+@pytest.mark.parametrize("weight_shape", [(N, B), (N, B, 1)])
+def test_per_model_sample_weights(per_model_labels, weight_shape):
+    # Model b's weights `[batch]` or `[batch, 1]`, as the stock model takes
+    # them, weighing its loss and its weighted metrics.
     x, y, rng = data(1, per_model_labels)
-    weights = rng.uniform(0.0, 2.0, (N, B)).astype("float32")
+    weights = rng.uniform(0.0, 2.0, weight_shape).astype("float32")
 
     def label(b):
         return y[:, b] if per_model_labels else y
@@ -83,9 +86,11 @@ def test_per_model_sample_weights(per_model_labels):
         lambda a: a.fit(x, y, sample_weight=weights, **fit_kwargs()),
         lambda m, b: m.fit(x, label(b), sample_weight=weights[:, b],
                            **fit_kwargs()),
-        {"loss": LOSS})
+        {"loss": LOSS, "weighted_metrics": ["sparse_categorical_accuracy"]})
     for b in range(B):
         assert_close(history[f"loss_{b}"], stock[b]["loss"])
+        assert_close(history[f"sparse_categorical_accuracy_{b}"],
+                     stock[b]["sparse_categorical_accuracy"])
 
 
 @pytest.mark.parametrize("per_model_labels", [False, True])

@@ -19,17 +19,23 @@ def same_shape(a, b):
         x is None or y is None or x == y for x, y in zip(a, b))
 
 
-def fits_shared_weight(weight_shape, pred_shape):
+def fits_shared_weight(weight_shape, pred_shape, reduces_last_axis=None):
     """Whether sample weights of `weight_shape` fit the stock model's
-    output, the array's `pred_shape` without its model axis: one weight
-    per sample, or per sample and time step (`[batch, T]` or `[batch, T,
-    1]` for `[batch, T, ...]`)."""
+    output, the array's `pred_shape` without its model axis, as its loss
+    weighs its values: one weight per sample, or per sample and time step
+    (`[batch, T]` or `[batch, T, 1]` for `[batch, T, ...]`). Keras's own
+    losses (`reduces_last_axis` True) give one value per sample and time
+    step, so no weight may run along the output's last axis; a loss of
+    the user's own (None) may give one per output value."""
     stock = pred_shape[:1] + pred_shape[2:]
+    values = [stock] if len(stock) < 2 else (
+        [stock[:-1]] if reduces_last_axis else [stock[:-1], stock])
     rank = len(weight_shape)
-    return 1 <= rank <= len(stock) and same_shape(
-        weight_shape[1:], stock[1:rank]) or (
-            rank == len(stock) and weight_shape[-1] == 1
-            and same_shape(weight_shape[1:-1], stock[1:-1]))
+    return any(
+        1 <= rank <= len(v) and same_shape(weight_shape[1:], v[1:rank])
+        or (rank == len(v) + 1 and weight_shape[-1] == 1
+            and same_shape(weight_shape[1:-1], v[1:]))
+        for v in values)
 
 
 def takes_class_ids(loss):
@@ -191,9 +197,11 @@ class LabelRouting:
             return list(loss[:count]) + [None] * (count - len(loss))
         return [loss] * count
 
-    def _is_per_model_weight(self, weight, prediction):
-        """Whether a sample weight is `[batch, B, ...]` (per model) rather
-        than shared (`[batch, ...]`, as for the stock model)."""
+    def _is_per_model_weight(self, weight, prediction, loss=None):
+        """Whether a sample weight is `[batch, B, ...]` (per model: model
+        `b`'s `weight[:, b]` fits the stock output as a stock weight does)
+        rather than shared (`[batch, ...]`, as for the stock model), judged
+        against the array's prediction and the output's compiled `loss`."""
         if getattr(weight.shape, "rank", 0) is None:
             # A step traced again for weights of another rank than before
             # (TensorFlow then relaxes their shape to an unknown rank).
@@ -203,33 +211,29 @@ class LabelRouting:
                 "traced for sample weights of another rank before. Give "
                 "them one rank in every call, or compile the array again.")
         weight_shape, pred_shape = tuple(weight.shape), tuple(prediction.shape)
-        if len(weight_shape) < 2 or weight_shape[1] not in (
-                None, self.num_models):
-            if not fits_shared_weight(weight_shape, pred_shape):
-                raise self._weight_shape_error(weight_shape, pred_shape)
-            return False
-        if weight_shape[1] is None and self._per_model_labels is None and (
-                fits_shared_weight(weight_shape, pred_shape)):
+        reduces = takes_class_ids(loss) is not None  # one of Keras's losses
+        shared = fits_shared_weight(weight_shape, pred_shape, reduces)
+        per_model = len(weight_shape) >= 2 and weight_shape[1] in (
+            None, self.num_models) and fits_shared_weight(
+                weight_shape[:1] + weight_shape[2:], pred_shape, reduces)
+        if per_model != shared:
+            return per_model
+        if not shared:
+            raise self._weight_shape_error(weight_shape, pred_shape)
+        if weight_shape[1] is None and self._per_model_labels is None:
             # An axis 1 of unknown size (a `tf.data` pipeline of sequences
             # of any length) is no sign of B models: the weights are read
             # as the stock model reads them.
             return False
-        if len(weight_shape) == len(pred_shape) - 1:
-            return True  # [batch, B, *per-sample axes]
-        if len(weight_shape) != 2:
-            return False
-        if len(pred_shape) < 3:
-            return True  # [batch, B] for an output of one value per sample
-        # [batch, B] (per model, one weight per sample) or [batch, T] (shared,
-        # one weight per time step) for a sequence output.
-        if pred_shape[2] != self.num_models:
-            return True
+        if self.num_models == 1:
+            return True  # Both readings give the one model the same weights.
         if self._per_model_labels is None:
             raise ValueError(
                 f"Cannot tell whether sample weights of shape {weight_shape} "
-                f"are per model ([batch, num_models]) or per time step "
-                f"([batch, timesteps]) for an output of shape {pred_shape}. "
-                "Pass per_model_labels=True or False to compile() to say.")
+                f"are per model ([batch, num_models, ...]) or shared, e.g. "
+                f"per time step ([batch, timesteps]), for an output of shape "
+                f"{pred_shape}. Pass per_model_labels=True or False to "
+                "compile() to say.")
         return bool(self._per_model_labels)
 
     def _weight_shape_error(self, weight_shape, pred_shape):
@@ -285,11 +289,13 @@ class LabelRouting:
         per model (False for None)."""
         flat_pred = keras.tree.flatten(y_pred)
         flat_w = keras.tree.flatten(sample_weight)
-        references, _ = self._aligned(sample_weight, y_pred, flat_pred)
+        references, losses = self._aligned(
+            sample_weight, y_pred, flat_pred, self._output_losses(y_pred))
         if len(flat_w) != len(references):
             references = [flat_pred[0]] * len(flat_w)
-        return [w is not None and self._is_per_model_weight(w, p)
-                for w, p in zip(flat_w, references)]
+            losses = [None] * len(flat_w)
+        return [w is not None and self._is_per_model_weight(w, p, loss)
+                for w, p, loss in zip(flat_w, references, losses)]
 
     def _class_ids_outside(self, y, y_pred):
         """A scalar boolean: whether a label of an output whose loss is
