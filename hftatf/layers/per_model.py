@@ -317,8 +317,11 @@ class FusedPerModel(FusedLayer):
             tensors, arguments = split_arguments(args, kwargs)
             args, kwargs = (tensors,), {"stock_arguments": arguments, **own}
         if not self.built:
-            self._specs = ([self._model_spec(t) for t in args[0]],
-                           kwargs["stock_arguments"])
+            # Set past Keras's tracking, which would turn the arguments'
+            # lists into `TrackedList`s, which JAX cannot trace.
+            object.__setattr__(self, "_specs", (
+                [self._model_spec(t) for t in args[0]],
+                kwargs["stock_arguments"]))
         return super().__call__(*args, **kwargs)
 
     def _model_spec(self, tensor):

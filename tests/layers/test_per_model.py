@@ -331,6 +331,30 @@ def test_any_call_arguments_masks_and_layouts(layout):
     assert_unfused_models_predict_alike(array, data)
 
 
+@keras.saving.register_keras_serializable(package="test_per_model")
+class GatedPair(layers.Layer):
+    """Called on a list of two tensors, as keras.io's VAE calls its
+    sampling layer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = layers.Dense(3, activation="sigmoid")
+
+    def call(self, inputs):
+        first, second = inputs
+        return self.gate(first) * second
+
+
+def test_a_layer_called_on_a_list_trains_like_stock():
+    inputs = keras.Input((4,))
+    pair = [layers.Dense(3)(inputs), layers.Dense(3)(inputs)]
+    model = keras.Model(inputs, layers.Dense(2)(GatedPair()(pair)))
+    rng = np.random.default_rng(8)
+    _trains_like_the_original(
+        model, rng.standard_normal((8, 4)).astype("float32"),
+        rng.standard_normal((8, 2)).astype("float32"))
+
+
 def test_a_functional_model_sets_training_at_each_call():
     # Keras records `training=True` for an augmentation pipeline (its
     # default) where the model is built; `predict` runs it in inference.
