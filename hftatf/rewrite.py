@@ -309,6 +309,8 @@ class Walker:
         each move its statistics) runs its calls in the stock order. Keras
         runs a graph by depth, which the model-axis layers between the
         fused layers change."""
+        # An input no layer reads is no output's ancestor: ranked first.
+        self._record(model.inputs)
         self._record(model.outputs)  # with the nodes the model made itself
         by_depth = nodes_by_depth(model)
         ranks = [self._made[id(node)]

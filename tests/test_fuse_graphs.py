@@ -259,6 +259,24 @@ def test_shared_layers_and_several_inputs_and_outputs():
     assert_round_trip(models, array)
 
 
+def test_an_input_no_layer_reads_is_kept(tmp_path):
+    # Stock Keras takes a model with an input it does not read (a feature
+    # left out of an ablation); so does the array, and its saved file.
+    a = keras.Input((4,), name="a")
+    unused = keras.Input((2,), name="unused")
+    model = keras.Model([a, unused], keras.layers.Dense(3)(a))
+    models = [randomized(model, seed) for seed in range(2)]
+    array = hftatf.fuse_models(models)
+    rng = np.random.default_rng(4)
+    inputs = [rng.normal(size=(5, 4)).astype("float32"),
+              rng.normal(size=(5, 2)).astype("float32")]
+    assert_array_matches(models, array, inputs)
+    assert_round_trip(models, array)
+    array.save(tmp_path / "array.keras")
+    assert_array_matches(
+        models, keras.models.load_model(tmp_path / "array.keras"), inputs)
+
+
 def test_frozen_layers_stay_frozen_per_model():
     x = keras.Input((4,))
     h = keras.layers.Dense(5, name="frozen", trainable=False)(x)
