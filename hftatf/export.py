@@ -12,7 +12,6 @@
 """
 
 import functools
-import importlib
 import json
 import os
 import pathlib
@@ -20,7 +19,6 @@ import platform
 import re
 import shutil
 import tempfile
-import zipfile
 
 import keras
 import numpy as np
@@ -34,6 +32,7 @@ from hftatf.core.optional import (
     tensorflow_installed,
 )
 from hftatf.core.version import __version__
+from hftatf.core.zoo_imports import import_zoo_modules, keras_file_config
 from hftatf.fuse import (
     check_array,
     compile_stock_model,
@@ -374,7 +373,8 @@ def _finite(value):
 # -- reading an export back -------------------------------------------------
 
 
-def load_models(directory, custom_objects=None, compile=False):
+def load_models(directory, custom_objects=None, compile=False,
+                safe_mode=True):
     """Returns the plain Keras models written by `export_models`.
 
     Args:
@@ -387,6 +387,8 @@ def load_models(directory, custom_objects=None, compile=False):
             optimizer's state, where the array was compiled), ready to
             train on. A model exported without a `.keras` file (read from
             its checkpoint) is uncompiled either way.
+        safe_mode: as for `keras.models.load_model`: False loads a
+            `Lambda` layer's function (only from files you trust).
 
     Returns:
         A list of B `keras.Model`s in the order of the array's models, with
@@ -397,7 +399,7 @@ def load_models(directory, custom_objects=None, compile=False):
     directory = pathlib.Path(directory)
     entries = _read_index(directory)
     models = [load_exported_model(_entry_path(directory, entry),
-                                  custom_objects, compile=compile)
+                                  custom_objects, compile, safe_mode)
               for entry in entries]
     found = architecture_difference(models)
     if found:
@@ -413,13 +415,14 @@ def load_models(directory, custom_objects=None, compile=False):
 
 
 @hooks.provides("from_exported")
-def from_exported(directory, custom_objects=None, **fuse_kwargs):
+def from_exported(directory, custom_objects=None, safe_mode=True,
+                  **fuse_kwargs):
     """Returns the array written by `export_models`, to resume tuning or to
     serve: `hftatf.fuse_models(load_models(directory))`.
 
     Args:
         directory: the directory given to `export_models`.
-        custom_objects: as for `load_models`.
+        custom_objects, safe_mode: as for `load_models`.
         **fuse_kwargs: arguments of `hftatf.fuse_models` (`shared_inputs`,
             `name`, `model_class`); `shared_inputs` and `name` default to
             the exported array's.
@@ -428,8 +431,9 @@ def from_exported(directory, custom_objects=None, **fuse_kwargs):
     array = entries[0].get("array", {})
     defaults = {key: array[key] for key in ("shared_inputs", "name")
                 if key in array}
-    return fuse_models(load_models(directory, custom_objects),
-                       **{**defaults, **fuse_kwargs})
+    return fuse_models(
+        load_models(directory, custom_objects, safe_mode=safe_mode),
+        **{**defaults, **fuse_kwargs})
 
 
 def _read_index(directory):
@@ -480,57 +484,15 @@ def _entry_path(directory, entry):
     return path
 
 
-# The package of hftatf's model zoo, whose Keras objects (PointNet's
-# `OrthogonalityRegularizer`) its modules register when imported.
-ZOO_PACKAGE = "hftatf.models"
-_ZOO_MODULE = re.compile(re.escape(ZOO_PACKAGE) + r"(\.[A-Za-z_]\w*)+")
-
-
-def zoo_modules(config):
-    """The modules of hftatf's model zoo that the serialized model `config`
-    names (as the `module` of a registered object): loading the model needs
-    them imported. Only modules under `hftatf.models` are listed, so that
-    loading a file never imports any other module it names."""
-    found = set()
-    pending = [config]
-    while pending:
-        value = pending.pop()
-        if isinstance(value, dict):
-            module = value.get("module")
-            if isinstance(module, str) and _ZOO_MODULE.fullmatch(module):
-                found.add(module)
-            pending.extend(value.values())
-        elif isinstance(value, list):
-            pending.extend(value)
-    return sorted(found)
-
-
-def _import_zoo_modules(config):
-    """Imports the zoo modules `config` names, which registers their Keras
-    objects, so that a zoo model loads without its user importing the
-    zoo."""
-    for module in zoo_modules(config):
-        importlib.import_module(module)
-
-
-def _keras_file_config(path):
-    """The model config stored in the `.keras` file `path` ({} for a
-    legacy `.h5` file or one that is not a zip archive)."""
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return json.loads(archive.read("config.json"))
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError):
-        return {}
-
-
-def _load_keras_file(path, custom_objects, compile):
-    _import_zoo_modules(_keras_file_config(path))
+def _load_keras_file(path, custom_objects, compile, safe_mode):
+    import_zoo_modules(keras_file_config(path))
     return keras.models.load_model(path, custom_objects=custom_objects,
-                                   compile=compile)
+                                   compile=compile, safe_mode=safe_mode)
 
 
 @hooks.provides("load_exported_model")
-def load_exported_model(path, custom_objects=None, compile=False):
+def load_exported_model(path, custom_objects=None, compile=False,
+                        safe_mode=True):
     """Returns the plain Keras model, with its weights, stored at `path`.
 
     Args:
@@ -538,7 +500,7 @@ def load_exported_model(path, custom_objects=None, compile=False):
             `export_models`; or the `saved_model/` directory inside one
             (its weights are read from the `.keras` file or the checkpoint
             next to it).
-        custom_objects, compile: as for `load_models`.
+        custom_objects, compile, safe_mode: as for `load_models`.
 
     Raises:
         ValueError: for a SavedModel without a Keras model next to it
@@ -548,7 +510,7 @@ def load_exported_model(path, custom_objects=None, compile=False):
     path = pathlib.Path(path)
     if path.is_file():
         if path.suffix in (".keras", ".h5", ".hdf5"):
-            return _load_keras_file(path, custom_objects, compile)
+            return _load_keras_file(path, custom_objects, compile, safe_mode)
         raise ValueError(
             f"Cannot load a Keras model from file '{path}': expected a "
             "`.keras` file (or a legacy `.h5` one) or a model directory "
@@ -564,12 +526,12 @@ def load_exported_model(path, custom_objects=None, compile=False):
     for candidate in candidates:
         if (candidate / KERAS_FILE).is_file():
             return _load_keras_file(candidate / KERAS_FILE, custom_objects,
-                                    compile)
+                                    compile, safe_mode)
         checkpoint = candidate / CHECKPOINT_PREFIX
         if (candidate / CONFIG_FILE).is_file() and pathlib.Path(
                 f"{checkpoint}.index").is_file():
             return _restore_checkpoint(candidate / CONFIG_FILE, checkpoint,
-                                       custom_objects)
+                                       custom_objects, safe_mode)
     if is_saved_model:
         raise ValueError(
             f"'{path}' is a SavedModel without a Keras model next to it: a "
@@ -588,11 +550,11 @@ def load_exported_model(path, custom_objects=None, compile=False):
         f"{CONFIG_FILE} and a checkpoint) or a SavedModel inside one.")
 
 
-def _restore_checkpoint(config_path, prefix, custom_objects=None):
+def _restore_checkpoint(config_path, prefix, custom_objects, safe_mode):
     config = json.loads(config_path.read_text())
-    _import_zoo_modules(config)
+    import_zoo_modules(config)
     model = keras.saving.deserialize_keras_object(
-        config, custom_objects=custom_objects)
+        config, custom_objects=custom_objects, safe_mode=safe_mode)
     tf = tensorflow_backend(f"Reading the TF checkpoint at '{prefix}'")
     tf.train.Checkpoint(model=model).read(
         str(prefix)).assert_existing_objects_matched()

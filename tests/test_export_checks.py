@@ -158,3 +158,22 @@ def test_export_over_a_malformed_index_removes_nothing(tmp_path):
     export(tmp_path, num_models=2)
     assert (tmp_path / "model_2").is_dir()
     assert len(hftatf.load_models(tmp_path)) == 2
+
+
+def test_models_holding_a_lambda_load_outside_safe_mode(tmp_path):
+    # Keras's safe mode refuses a `Lambda`'s function: as for
+    # `keras.models.load_model`, `safe_mode=False` loads it.
+    x = keras.Input((4,))
+    doubled = keras.layers.Lambda(lambda t: 2.0 * t, output_shape=(4,))(x)
+    array = hftatf.fuse(keras.Model(x, keras.layers.Dense(1)(doubled)), 2)
+    array.export_models(tmp_path, format="keras")
+    with pytest.raises(ValueError, match="safe_mode"):
+        hftatf.load_models(tmp_path)
+    inputs = np.ones((3, 4), "float32")
+    expected = array.predict(inputs, verbose=0)
+    models = hftatf.load_models(tmp_path, safe_mode=False)
+    for b, model in enumerate(models):
+        np.testing.assert_array_equal(model.predict(inputs, verbose=0),
+                                      expected[:, b])
+    again = hftatf.export.from_exported(tmp_path, safe_mode=False)
+    np.testing.assert_array_equal(again.predict(inputs, verbose=0), expected)
