@@ -78,8 +78,23 @@ def check_graph_model(model):
             "keras.Input(shape, dtype=...)`, then `hftatf.fuse(keras.Model("
             "inputs, model(inputs)), num_models)`; the array runs it once "
             "per model (hftatf.layers.FusedPerModel), from copies made from "
-            "its config. Or rebuild it with the functional API, so that "
-            "each of its layers fuses.")
+            "its config (the model needs a `call` and a `get_config` for "
+            "that). Or rebuild it with the functional API, so that each of "
+            f"its layers fuses.{_custom_step_advice(model)}")
+
+
+def _custom_step_advice(model):
+    """For a model subclass with its own training step, what becomes of
+    it in an array."""
+    custom = [name for name in ("train_step", "test_step", "predict_step",
+                                "compute_loss", "compute_metrics")
+              if getattr(type(model), name) is not getattr(keras.Model, name)]
+    if not custom:
+        return ""
+    methods = ", ".join(f"`{name}`" for name in custom)
+    return (f" Either way, its own {methods} would not run in the array: "
+            "write the custom step in a hftatf.FusedModel subclass and pass "
+            "it as `model_class=` (see FusedGAN in hftatf.models.dcgan).")
 
 
 

@@ -270,6 +270,25 @@ def test_subclassed_model_is_refused():
         hftatf.fuse_models([model, model])
 
 
+def test_subclassed_model_with_its_own_step_is_told_where_the_step_goes():
+    # keras.io's VAE: sub-models, its own `train_step`, no `call`.
+    class VAE(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.encoder = keras.Sequential([keras.Input((3,)),
+                                             keras.layers.Dense(2)])
+
+        def train_step(self, data):
+            return {}
+
+    with pytest.raises(ValueError) as error:
+        hftatf.fuse(VAE(), 2)
+    message = " ".join(str(error.value).split())
+    assert "subclassed VAE" in message
+    assert "own `train_step` would not run in the array" in message
+    assert "`model_class=`" in message
+
+
 def test_layer_that_cannot_run_per_model_is_refused_by_name():
     x = keras.Input((1,), dtype="string")
     y = keras.layers.StringLookup(vocabulary=["a"], name="my_layer")(x)
