@@ -133,10 +133,12 @@ class FusedTuner(keras_tuner.Tuner):
             `lambda hp: {"batch_size": hp.Choice("batch_size", [32, 64])}`.
             Trials whose arguments differ train in different arrays.
         jit_compile: the arrays' `jit_compile`. "auto" compiles with XLA on
-            accelerators (as `FusedModel.compile` does) but not on a CPU:
-            tuning trains many short jobs, and there XLA compilation costs
-            more than the training it speeds up (`benchmarks/tuning.py
-            --quick` ran 2x slower with XLA on 2 CPU cores).
+            accelerators and on the JAX backend (as `FusedModel.compile`
+            does) but not on TensorFlow on a CPU: tuning trains many short
+            jobs, and there XLA compilation costs more than the training it
+            speeds up (`benchmarks/tuning.py --quick` ran 2x slower with XLA
+            on 2 CPU cores). On JAX a step without XLA runs op by op (a
+            search of 4 trials took 65 s against 9 s compiled).
         pad_arrays: whether an array is built for the whole batch
             (`num_models`) even when fewer trials of its group came in this
             round, the free models training copies of a trial whose results
@@ -527,7 +529,10 @@ class FusedTuner(keras_tuner.Tuner):
 def _resolve_jit_compile(jit_compile):
     if jit_compile != "auto":
         return jit_compile
-    return "auto" if has_accelerator() else False
+    # On JAX, XLA is the only compiler: a step without it runs op by op.
+    if has_accelerator() or keras.backend.backend() == "jax":
+        return "auto"
+    return False
 
 
 def _check_objective(objective, histories):

@@ -53,10 +53,12 @@ class RecordingRandomSearch(tuning.FusedRandomSearch):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.arrays = {}
+        self.compiled = set()  # the arrays' `jit_compile`
 
     def on_epoch_begin(self, trial, model, epoch, logs=None):
         if epoch == 0:
             self.arrays[trial.trial_id] = (id(model), model.num_models)
+            self.compiled.add(model.jit_compile)
 
 
 def fit_kwargs():
@@ -152,6 +154,14 @@ def test_later_rounds_reuse_an_array_built_for_the_whole_round(searches):
     first, second = ids[:4], ids[4:]
     assert {fused.arrays[t][0] for t in second} <= {
         fused.arrays[t][0] for t in first}
+
+
+def test_arrays_compile_with_xla_on_jax_and_not_on_a_tensorflow_cpu(
+        searches):
+    # On JAX a step without XLA would run op by op; on TensorFlow on a
+    # CPU, XLA's compile costs a short trial more than it saves.
+    _, fused = searches
+    assert fused.compiled == {keras.backend.backend() == "jax"}
 
 
 def test_auto_size_and_fit_hyperparameters(monkeypatch, tmp_path):
