@@ -149,8 +149,17 @@ def parse_grid(text):
                         "--grid must be NAME=V1,V2,...;NAME=V1,... (e.g. "
                         "\"learning_rate=1e-3,1e-4;weight_decay=0,1e-4\"). "
                         f"Received: {text!r}.")
-                items[name.strip()] = [parse_value(v)
-                                       for v in _split(values, ",")]
+                name = name.strip()
+                if name in items:
+                    raise ConfigError(
+                        f"--grid names {name!r} twice; give all its values "
+                        f"in one entry ({name}=V1,V2,...). Received: "
+                        f"{text!r}.")
+                if any(not value.strip() for value in values.split(",")):
+                    raise ConfigError(
+                        f"--grid {name!r} has an empty value in "
+                        f"{values.strip()!r}. Received: {text!r}.")
+                items[name] = [parse_value(v) for v in _split(values, ",")]
     grid = {}
     for name, values in items.items():
         values = list(values) if isinstance(values, (list, tuple)) else [

@@ -145,6 +145,11 @@ def test_parse_grid():
         parse_grid("learning_rate")
     with pytest.raises(ConfigError, match="number"):
         parse_grid("learning_rate=fast")
+    # Nothing dropped without a word: a name given twice, an empty value.
+    with pytest.raises(ConfigError, match="names 'learning_rate' twice"):
+        parse_grid("learning_rate=0.1;learning_rate=0.2")
+    with pytest.raises(ConfigError, match="empty value"):
+        parse_grid("learning_rate=0.1,,0.2")
 
 
 def test_flags_fill_the_config():
