@@ -9,6 +9,7 @@ a run started from Python (`main`) refuses a `--backend` that disagrees
 with the Keras already imported (`check_backend`).
 """
 
+import importlib.util
 import os
 import sys
 
@@ -55,6 +56,14 @@ def relaunch_for_backend(argv, module="hftatf.tpu.train"):
     backend = requested_backend(argv)
     if backend not in BACKENDS or backend == keras.backend.backend():
         return
+    if importlib.util.find_spec(backend) is None:
+        # Before the new process, whose Keras would fail on its import.
+        extra = "" if backend == "tensorflow" else "[jax]"
+        print(f"{os.path.basename(argv[0])}: error: --backend={backend} "
+              f"needs {backend}, which is not installed here. Install it "
+              f"(`pip install \"hftatf{extra}\"`) or pass another "
+              "--backend.", file=sys.stderr)
+        sys.exit(2)
     environment = {**os.environ, "KERAS_BACKEND": backend}
     sys.stdout.flush()
     sys.stderr.flush()

@@ -28,6 +28,7 @@ import inspect
 import itertools
 import json
 import pathlib
+import tempfile
 
 import keras
 
@@ -495,13 +496,31 @@ class Config:
 
 def check_directory(flag, value):
     """Raises a ConfigError where the directory `value` of `flag` cannot be
-    made: it, or the nearest of its parents that exists, is a file."""
+    made or written: it, or the nearest of its parents that exists, is a
+    file, or making it fails (the directories made to find out are
+    removed again: nothing is left written)."""
     path = pathlib.Path(value).expanduser()
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         raise ConfigError(
             f"{flag}={value} must be a directory, but {existing} is a "
             "file. Pass a directory path.")
+    if "://" in value:
+        return  # refused or written by TensorFlow's file system
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(
+            f"{flag}={value} is not a directory this run can write to "
+            f"({error.strerror}: {error.filename or path}). Pass another "
+            "directory.") from None
+    finally:
+        for made in missing:
+            if made.is_dir():
+                made.rmdir()
 
 
 def field_names():

@@ -52,3 +52,19 @@ def test_the_program_starts_again_on_the_asked_backend(tmp_path):
                           timeout=300)
     assert done.stdout.strip() == (
         f"{OTHER} ['--backend', '{OTHER}', '--epochs=1']"), done.stderr
+
+
+def test_a_backend_that_is_not_installed_is_named_before_starting_again(
+        monkeypatch, capsys):
+    real_find_spec = backend.importlib.util.find_spec
+    monkeypatch.setattr(backend.importlib.util, "find_spec",
+                        lambda name: None if name == OTHER
+                        else real_find_spec(name))
+    monkeypatch.setattr(backend.os, "execve",
+                        lambda *args: pytest.fail("started again"))
+    with pytest.raises(SystemExit) as exit_info:
+        backend.relaunch_for_backend(["hftatf-train", f"--backend={OTHER}"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"--backend={OTHER} needs {OTHER}, which is not installed" in error
+    assert "pip install" in error

@@ -5,6 +5,7 @@ import csv
 import dataclasses
 import json
 import math
+import pathlib
 
 import keras
 import numpy as np
@@ -285,6 +286,20 @@ def test_a_directory_that_is_a_file_is_refused_before_training(tmp_path,
                                                     / "sub")})
     with pytest.raises(ConfigError, match=f"--{name}=.*afile is a file"):
         config.validate()
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self").is_dir(),
+                    reason="a directory no process can make: Linux's /proc")
+def test_a_directory_that_cannot_be_made_is_refused_before_training(
+        tmp_path):
+    config = one_step("mlp", tmp_path, model_dir="/proc/hftatf-run")
+    with pytest.raises(ConfigError,
+                       match="--model_dir=/proc/hftatf-run is not a "
+                             "directory this run can write to"):
+        config.validate()
+    # A directory that can be made is checked, and nothing is left behind.
+    one_step("mlp", tmp_path, model_dir=str(tmp_path / "a" / "b")).validate()
+    assert not (tmp_path / "a").exists()
 
 
 def test_an_unreadable_backup_fails_before_writing(tmp_path):
