@@ -20,7 +20,8 @@ def header_lines(plan, array):
     compiled = is_tpu_strategy(strategy) or array.compiles_with_xla
     return [
         f"hftatf-train: {plan.num_models} {config.model} models; data: "
-        f"{plan.source.description}; {config.epochs} epochs of {steps}, "
+        f"{plan.source.description}; {config.epochs} "
+        f"epoch{'' if config.epochs == 1 else 's'} of {steps}, "
         f"batch {config.batch_size}",
         "  per model: " + (varying or "the initialisation only (same "
                            "hyper-parameters)"),
