@@ -75,12 +75,6 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "BackupAndRestore needs a built model to restore into: call "
                 "the array on a batch (or fuse a built model) before fit().")
         weights = self.backup_dir / metadata["weights"]
-        digest = _sha256(weights)
-        if digest != metadata["sha256"]:
-            raise ValueError(
-                f"The backup in {self.backup_dir} is corrupt: its weights "
-                f"file does not match its checksum ({digest} instead of "
-                f"{metadata['sha256']}). Delete the directory to start over.")
         check_num_models(metadata, self.backup_dir,
                          getattr(self.model, "num_models", None))
         optimizer = self.model.optimizer
@@ -206,7 +200,7 @@ def read_metadata(backup_dir):
 
     Raises:
         ValueError: the metadata is unreadable or names a missing weights
-            file.
+            file, or one that does not match its checksum.
     """
     backup_dir = pathlib.Path(backup_dir)
     path = backup_dir / METADATA
@@ -226,6 +220,12 @@ def read_metadata(backup_dir):
             f"The backup in {backup_dir} names the weights file "
             f"{metadata['weights']}, which is missing. Delete {backup_dir} "
             "to start over.")
+    digest = _sha256(weights)
+    if digest != metadata["sha256"]:
+        raise ValueError(
+            f"The backup in {backup_dir} is corrupt: its weights file does "
+            f"not match its checksum ({digest} instead of "
+            f"{metadata['sha256']}). Delete the directory to start over.")
     return metadata
 
 

@@ -312,6 +312,18 @@ def test_an_unreadable_backup_fails_before_writing(tmp_path):
         "backup", "backup.json"]
 
 
+def test_a_corrupt_backup_fails_before_writing(tmp_path):
+    backup_dir = tmp_path / "mlp" / "backup"
+    backup_dir.mkdir(parents=True)
+    (backup_dir / "w.weights.h5").write_bytes(b"truncated")
+    (backup_dir / "backup.json").write_text(json.dumps(
+        {"epoch": 3, "weights": "w.weights.h5", "sha256": "0" * 64}))
+    with pytest.raises(ConfigError, match="backup .* is corrupt"):
+        train.train(one_step("mlp", tmp_path))
+    assert sorted(p.name for p in (tmp_path / "mlp").rglob("*")) == [
+        "backup", "backup.json", "w.weights.h5"]
+
+
 @pytest.mark.parametrize("values, message", [
     # resnet18's builder takes **kwargs: a misspelt name reaches the build.
     (dict(model_args={"input_shape": [8, 8, 3], "widht": 0.0625}),
