@@ -28,11 +28,11 @@ import inspect
 import itertools
 import json
 import pathlib
-import tempfile
 
 import keras
 
 from hftatf import optimizers
+from hftatf.core.files import unwritable_directory_error
 from hftatf.models import recipes
 from hftatf.tpu.config_text import (  # noqa: F401
     MAPPINGS,
@@ -507,20 +507,12 @@ def check_directory(flag, value):
             "file. Pass a directory path.")
     if "://" in value:
         return  # refused or written by TensorFlow's file system
-    missing = [p for p in (path, *path.parents) if not p.exists()]
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as error:
+    error = unwritable_directory_error(path, keep=False)
+    if error is not None:
         raise ConfigError(
             f"{flag}={value} is not a directory this run can write to "
             f"({error.strerror}: {error.filename or path}). Pass another "
-            "directory.") from None
-    finally:
-        for made in missing:
-            if made.is_dir():
-                made.rmdir()
+            "directory.")
 
 
 def field_names():

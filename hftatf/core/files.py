@@ -7,7 +7,9 @@ more on any Keras backend.
 """
 
 import os
+import pathlib
 import re
+import tempfile
 
 from hftatf.core.optional import tensorflow
 
@@ -54,3 +56,23 @@ def remove(path):
         _gfile(path).remove(path)
     else:
         os.remove(path)
+
+
+def unwritable_directory_error(path, keep=True):
+    """The `OSError` that making the local directory `path` and writing a
+    file in it raises, or None where both work. With `keep=False` the
+    directories made to find out are removed again."""
+    path = pathlib.Path(path)
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return error
+    finally:
+        if not keep:
+            for made in missing:
+                if made.is_dir():
+                    made.rmdir()
+    return None
