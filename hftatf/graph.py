@@ -83,18 +83,31 @@ def check_graph_model(model):
             f"its layers fuses.{_custom_step_advice(model)}")
 
 
+# What a Model subclass may override that an array built from the model's
+# graph would not run, and where such a step goes instead.
+STEP_METHODS = ("call", "train_step", "test_step", "predict_step",
+                "compute_loss", "compute_metrics")
+CUSTOM_STEP_ADVICE = (
+    "Write the custom step in a hftatf.FusedModel subclass and pass it as "
+    "`model_class=` (see FusedGAN in hftatf.models.dcgan)")
+
+
+def overridden_methods(model, base, names=STEP_METHODS):
+    """Those of the methods `names` that `model`'s class overrides from
+    `base`, as "`name`, `name`" (empty where none)."""
+    return ", ".join(f"`{name}`" for name in names
+                     if getattr(type(model), name, None)
+                     is not getattr(base, name, None))
+
+
 def _custom_step_advice(model):
     """For a model subclass with its own training step, what becomes of
     it in an array."""
-    custom = [name for name in ("train_step", "test_step", "predict_step",
-                                "compute_loss", "compute_metrics")
-              if getattr(type(model), name) is not getattr(keras.Model, name)]
-    if not custom:
+    methods = overridden_methods(model, keras.Model, STEP_METHODS[1:])
+    if not methods:
         return ""
-    methods = ", ".join(f"`{name}`" for name in custom)
-    return (f" Either way, its own {methods} would not run in the array: "
-            "write the custom step in a hftatf.FusedModel subclass and pass "
-            "it as `model_class=` (see FusedGAN in hftatf.models.dcgan).")
+    return (f" Either way, its own {methods} would not run in the array. "
+            f"{CUSTOM_STEP_ADVICE}.")
 
 
 

@@ -15,9 +15,12 @@ from hftatf.core.compat import (
     set_nodes_by_depth,
 )
 from hftatf.graph import (
+    CUSTOM_STEP_ADVICE,
+    STEP_METHODS,
     graph_layers,
     input_structure,
     is_graph_model,
+    overridden_methods,
     weighted_layers,
 )
 from hftatf.layers import resolve
@@ -30,30 +33,20 @@ from hftatf.layers.model_axis import (
 )
 from hftatf.layers.sample_mixing import PER_SAMPLE_ADVICE, sample_mixing
 
-# What a Model subclass may override that an array built from the model's
-# graph would not run.
-_STEP_METHODS = ("call", "train_step", "test_step", "predict_step",
-                 "compute_loss", "compute_metrics")
 
-
-def check_no_custom_steps(model, names=_STEP_METHODS):
+def check_no_custom_steps(model, names=STEP_METHODS):
     """Refuses a functional or Sequential model whose class overrides any
     of the methods `names`: the array is built from the model's graph and
     would silently train without them."""
     base = keras.Sequential if isinstance(model, keras.Sequential) else (
         Functional)
-    custom = [name for name in names
-              if getattr(type(model), name, None) is not getattr(
-                  base, name, None)]
-    if custom:
-        methods = ", ".join(f"`{name}`" for name in custom)
+    methods = overridden_methods(model, base, names)
+    if methods:
         raise ValueError(
             f"Model '{model.name}' is a {type(model).__name__} with its own "
             f"{methods}. hftatf.fuse builds the array from the model's graph "
-            "and would train it without them. Write the custom step in a "
-            "hftatf.FusedModel subclass and pass it as `model_class=` (see "
-            "FusedGAN in hftatf.models.dcgan), or fuse the plain functional "
-            "model.")
+            f"and would train it without them. {CUSTOM_STEP_ADVICE}, or fuse "
+            "the plain functional model.")
 
 
 

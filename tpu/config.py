@@ -32,7 +32,7 @@ import pathlib
 import keras
 
 from hftatf import optimizers
-from hftatf.core.files import unwritable_directory_error
+from hftatf.core.files import is_remote, unwritable_directory_error
 from hftatf.models import recipes
 from hftatf.tpu.config_text import (  # noqa: F401
     MAPPINGS,
@@ -505,7 +505,7 @@ def check_directory(flag, value):
         raise ConfigError(
             f"{flag}={value} must be a directory, but {existing} is a "
             "file. Pass a directory path.")
-    if "://" in value:
+    if is_remote(value):
         return  # refused or written by TensorFlow's file system
     error = unwritable_directory_error(path, keep=False)
     if error is not None:
