@@ -4,7 +4,7 @@ its array alike: the paths that name the same layer in both."""
 import keras
 
 from hftatf.core.compat import inner_layers, is_functional_graph
-from hftatf.layers.layer_state import derives_state
+from hftatf.layers.layer_state import derives_state, saved_state_digest
 
 
 def config_layers(model):
@@ -121,7 +121,8 @@ _IGNORED_KEYS = ("name", "seed")
 def architecture(model):
     """A comparable description of `model`: one entry per layer with its
     class, its config (layer names replaced by positions, seeds and
-    initializers dropped) and its weight shapes."""
+    initializers dropped), its weight shapes and a digest of what Keras
+    saves of it as assets (`layer_state.saved_state_digest`)."""
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"hftatf.fuse_models expects keras.Model objects. Received: "
@@ -178,6 +179,9 @@ def architecture(model):
             "config": normalize(layer_config),
             "weights": [tuple(w.shape)
                         for w in getattr(layer, "weights", ())],
+            # What its config leaves out: a vocabulary learned in `adapt`.
+            "assets": (None if is_graph_model(layer)
+                       else saved_state_digest(layer)),
         })
     if not isinstance(model, keras.Sequential):
         # Which layers are the inputs and outputs, in order: graphs alike
@@ -186,7 +190,7 @@ def architecture(model):
             "position": "of the inputs and outputs", "class": "Model",
             "config": normalize({key: config.get(key) for key in (
                 "input_layers", "output_layers")}),
-            "weights": []})
+            "weights": [], "assets": None})
     return described
 
 
@@ -238,6 +242,11 @@ def _first_entry_difference(reference, other):
         if ours["weights"] != theirs["weights"]:
             return (f"{where} ({ours['class']}) differs in weight shapes: "
                     f"{theirs['weights']} instead of {ours['weights']}")
+        if ours["assets"] != theirs["assets"]:
+            # One such layer serves all models of an array.
+            return (f"{where} ({ours['class']}) differs in what it keeps "
+                    "beside its config and weights (a vocabulary learned "
+                    "in `adapt`)")
     return None
 
 

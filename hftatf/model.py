@@ -435,6 +435,10 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
             "inner_trainable", {})
         states = config.pop("weight_states", {})
         if source is not None:
+            # The stock architecture as saved (deserializing consumes it):
+            # the stock model rebuilt here holds no assets yet (a lookup's
+            # vocabulary, whose size its config would then lose).
+            source_json = json.dumps(source)
             stock = keras.saving.deserialize_keras_object(
                 source, custom_objects=custom_objects)
             set_trainable_flags(stock, flags)
@@ -442,6 +446,7 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
             array = hooks.call(
                 "fuse", stock, num_models, shared_inputs=shared_inputs,
                 name=config.get("name"), model_class=cls, layout=layout)
+            array._source_json = source_json
             # Set only where off: on JAX, setting it turns every inner
             # layer's flag back on.
             if not config.get("trainable", True):

@@ -125,8 +125,8 @@ def activation_bytes_per_model(array, batch_size):
                     shape = shape[1:]  # [B, batch, ...]: one model's slice
                 elif shape and shape[0] == array.num_models:
                     shape = shape[1:]  # [batch, B, ...]: one model's slice
-                if None in shape:
-                    continue
+                if None in shape or tensor.dtype == "string":
+                    continue  # (text holds no numbers a pass computes on)
                 total += int(np.prod(shape)) * np.dtype(
                     tensor.dtype).itemsize
     return total * batch_size

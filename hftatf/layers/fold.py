@@ -29,6 +29,7 @@ from hftatf.core.validation import check_model_axis, check_num_models
 from hftatf.layers import registry
 from hftatf.layers.backends import dropout_models_first, with_unknown_batch
 from hftatf.layers.base import FusedForm, ModelActivityRegularization
+from hftatf.layers.layer_state import keeps_assets
 from hftatf.layers.sample_mixing import check_lambda_acts_per_sample
 
 # Stock layers without weights that treat every sample on its own.
@@ -58,6 +59,8 @@ PER_SAMPLE_LAYERS = tuple(getattr(keras.layers, name) for name in (
     # Preprocessing and masking.
     "Rescaling", "Resizing", "CenterCrop", "Masking", "UnitNormalization",
     "CategoryEncoding", "Discretization", "Hashing", "HashedCrossing",
+    # Lookups: one for all models, with its vocabulary (`copy_layer`).
+    "StringLookup", "IntegerLookup", "TextVectorization",
     # Data augmentation that draws its transformation per image: each
     # model draws its own transformations.
     "RandomFlip", "RandomRotation", "RandomTranslation", "RandomZoom",
@@ -128,7 +131,10 @@ def copy_layer(layer):
     `Lambda` is stateless and its function may not survive a config round
     trip (Python lambdas need unsafe deserialization): it is shared, or,
     with an activity regularizer (which its fused form takes over),
-    rebuilt from its function."""
+    rebuilt from its function. A layer that keeps what Keras saves as
+    assets (a lookup's vocabulary: `layer_state.keeps_assets`) is
+    deterministic and shared too: its config leaves that state out, and
+    the size of its output can depend on it."""
     if isinstance(layer, keras.layers.Lambda):
         if layer.activity_regularizer is None:
             return layer
@@ -137,6 +143,8 @@ def copy_layer(layer):
             mask=layer.mask, arguments=layer.arguments, name=layer.name,
             dtype=layer.dtype_policy,
             activity_regularizer=layer.activity_regularizer)
+    if keeps_assets(layer) and layer.activity_regularizer is None:
+        return layer
     return type(layer).from_config(layer.get_config())
 
 
@@ -213,9 +221,17 @@ class FusedFold(FusedForm, ModelActivityRegularization,
         """Why the stock `layer` cannot be folded, or None (it then runs
         once per model): it computes along the batch axis (`axis=0` of a
         `Softmax`, `UnitNormalization` or `Concatenate`, `axes=0` of a
-        `Dot`), or draws one mask for the whole batch (a `noise_shape`
-        of batch size 1), which folding would share between the
-        models."""
+        `Dot`), draws one mask for the whole batch (a `noise_shape`
+        of batch size 1), which folding would share between the models,
+        or pads its output to the batch's longest text (a
+        `TextVectorization` without `output_sequence_length`)."""
+        if isinstance(layer, keras.layers.TextVectorization) and (
+                layer.get_config()["output_mode"] == "int"
+                and layer.get_config()["output_sequence_length"] is None):
+            return ("it pads each batch to the batch's longest text, so "
+                    "folded, one model's sequences would take another's "
+                    "length. Give it `output_sequence_length`, or apply it "
+                    "to an input all models share")
         noise_shape = getattr(layer, "noise_shape", None)
         if noise_shape is not None and noise_shape[0] == 1:
             return (f"it draws one mask for the whole batch (`noise_shape="

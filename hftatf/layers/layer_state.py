@@ -1,11 +1,16 @@
 """What a stock layer holds besides its weights: state derived from them,
-state outside Keras variables, the `trainable` flags of the layers
-inside it and of its weights, and LoRA enabled inside it (which its
-config does not carry)."""
+state outside Keras variables (a lookup's vocabulary, which Keras saves
+as assets), the `trainable` flags of the layers inside it and of its
+weights, and LoRA enabled inside it (which its config does not
+carry)."""
 
 import contextlib
+import hashlib
+import os
+import tempfile
 
 import keras
+import numpy as np
 
 from hftatf.core import compat
 from hftatf.layers.backends import holds_outside_state
@@ -129,3 +134,81 @@ def set_weight_state(layer, state):
     if len(flags) == len(layer.weights):
         for weight, flag in zip(layer.weights, flags):
             weight.trainable = flag
+
+
+def keeps_assets(layer):
+    """Whether `layer` keeps state that its config leaves out and Keras
+    saves as assets beside its weights (`save_assets`): the vocabulary a
+    `StringLookup`, `IntegerLookup` or `TextVectorization` learned in
+    `adapt`."""
+    return hasattr(layer, "save_assets") and hasattr(layer, "load_assets")
+
+
+def saved_state(layer):
+    """What Keras saves of the `keeps_assets` layer beside its config:
+    `(variables, files)`, the entries of its `save_own_variables` (a
+    TF-IDF lookup's weights) and the files of its `save_assets` by name
+    (its vocabulary); None where it holds no such state yet (a TF-IDF
+    lookup before `adapt` has no weights to save)."""
+    variables = {}
+    try:
+        layer.save_own_variables(variables)
+    except AttributeError:
+        # Keras's TF-IDF lookup reads weights that `adapt` makes.
+        return None
+    files = {}
+    with tempfile.TemporaryDirectory() as directory:
+        layer.save_assets(directory)
+        for root, _, names in os.walk(directory):
+            for name in names:
+                path = os.path.join(root, name)
+                with open(path, "rb") as file:
+                    files[os.path.relpath(path, directory)] = file.read()
+    return variables, files
+
+
+def load_saved_state(layer, state):
+    """Gives `layer` the `saved_state` of a layer of its class and config,
+    as loading a saved model does: its variables, then its assets. Where
+    it holds that state already (a vocabulary in its config, or none
+    learned yet, which a lookup cannot load), it is left as it is."""
+    if state is None or _same_saved_state(saved_state(layer), state):
+        return
+    variables, files = state
+    if variables:
+        layer.load_own_variables(dict(variables))
+    with tempfile.TemporaryDirectory() as directory:
+        for name, content in files.items():
+            path = os.path.join(directory, name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as file:
+                file.write(content)
+        layer.load_assets(directory)
+
+
+def saved_state_digest(layer):
+    """A digest of `layer`'s `saved_state` (None for a layer that does not
+    `keep_assets`): equal for layers that hold the same vocabulary."""
+    if not keeps_assets(layer):
+        return None
+    state = saved_state(layer)
+    if state is None:
+        return "none yet"
+    variables, files = state
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name])
+    for key in sorted(variables):
+        digest.update(str(key).encode() + b"\0" + np.asarray(
+            variables[key]).tobytes())
+    return digest.hexdigest()
+
+
+def _same_saved_state(ours, theirs):
+    if ours is None or theirs is None:
+        return ours is theirs
+    (our_variables, our_files), (their_variables, their_files) = ours, theirs
+    return our_files == their_files and sorted(our_variables) == sorted(
+        their_variables) and all(
+            np.array_equal(our_variables[key], their_variables[key])
+            for key in our_variables)

@@ -48,8 +48,9 @@ PER_BATCH_LAYERS = tuple(getattr(keras.layers, name) for name in (
 ))
 
 # Stock layers that keep state outside Keras variables, which a copy per
-# model would not have: lookup tables (whose vocabulary `adapt` fills),
-# and layers that wrap another framework's module or a SavedModel.
+# model would not have: lookup tables (folded where they can be:
+# `FusedFold`), and layers that wrap another framework's module or a
+# SavedModel.
 _STATE_OUTSIDE_VARIABLES = tuple(
     getattr(keras.layers, name) for name in (
         "StringLookup", "IntegerLookup", "TextVectorization",
@@ -66,10 +67,11 @@ def refusal(layer):
         return "an input layer is no computation to fuse."
     if isinstance(layer, _STATE_OUTSIDE_VARIABLES):
         return (
-            "it keeps state outside Keras variables (a lookup table or "
-            "another framework's module), which a copy of the layer per "
-            "model would not hold. Apply it to the data before the array "
-            "(in tf.data, or in a model of its own in front of the array).")
+            "it keeps state outside Keras variables (another framework's "
+            "module, or a lookup table that cannot be folded here), which a "
+            "copy of the layer per model would not hold. Apply it to the "
+            "data before the array (in tf.data, or in a model of its own in "
+            "front of the array).")
     return None
 
 

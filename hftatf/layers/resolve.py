@@ -54,10 +54,14 @@ def fused_form(layer):
     form = _form(layer)
     if form is not None:
         return form
+    # Its own form's reason where it has one: it says what would make the
+    # layer fuse.
+    reason = (registry.refusal_of_registered_form(layer)
+              or per_model.refusal(layer))
     raise ValueError(
         f"hftatf cannot fuse layer '{layer.name}' of class "
         f"{type(layer).__module__}.{type(layer).__name__}: "
-        f"{per_model.refusal(layer)}")
+        f"{reason.rstrip('.')}.")
 
 
 def takes_shared_input(layer):

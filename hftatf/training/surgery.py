@@ -16,6 +16,7 @@ from hftatf.graph import (
     weighted_layers,
 )
 from hftatf.layers import layer_state, objects, per_model
+from hftatf.layers.fold import FusedFold
 
 
 def trainable_flags(model):
@@ -75,6 +76,31 @@ def set_weight_states(model, states):
         if layer is not None and not isinstance(layer,
                                                 per_model.FusedPerModel):
             layer_state.set_weight_state(layer, state)
+
+
+def _stock_layer(layer):
+    """The stock layer inside a folded one (`FusedFold`), else `layer`."""
+    return layer.layer if isinstance(layer, FusedFold) else layer
+
+
+def saved_states(model):
+    """`{path: state}` of the graph `model`'s layers that keep what Keras
+    saves as assets (`layer_state.keeps_assets`: a lookup's vocabulary,
+    which its config leaves out where `adapt` learned it); a folded layer
+    gives its stock layer's. Paths as `trainable_flags`'."""
+    return {path: layer_state.saved_state(_stock_layer(layer))
+            for path, layer in graph_layers(model)
+            if not is_graph_model(layer)
+            and layer_state.keeps_assets(_stock_layer(layer))}
+
+
+def load_saved_states(model, states):
+    """Gives the layers of the graph `model` the `saved_states` of another
+    of its architecture, stock or fused."""
+    layers = dict(graph_layers(model))
+    for path, state in states.items():
+        if path in layers:
+            layer_state.load_saved_state(_stock_layer(layers[path]), state)
 
 
 def _restore_layer_names(model, config):
@@ -259,6 +285,7 @@ class Surgery:
         source, names = self.source_config, self.source_config
         flags = trainable_flags(self)
         states = weight_states(self)
+        assets = saved_states(self)
         models = []
         with self._stock_classes(source):
             for _ in range(count):
@@ -268,6 +295,7 @@ class Surgery:
                 _restore_layer_names(model, names)
                 set_trainable_flags(model, flags)
                 set_weight_states(model, states)
+                load_saved_states(model, assets)
                 models.append(model)
         return models
 

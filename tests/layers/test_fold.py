@@ -41,6 +41,22 @@ class IntShape(tuple):
         return instance
 
 
+class Texts(tuple):
+    """A per-model input shape of short texts (TensorFlow strings)."""
+
+    def __new__(cls, shape):
+        instance = super().__new__(cls, (shape,))
+        instance.shape = shape
+        return instance
+
+
+WORDS = ["a", "b", "c b", "zz", "a c d"]
+# Stock Keras runs its string layers in `tf.data` on other backends.
+TEXT_ONLY_ON_TENSORFLOW = pytest.mark.backends(
+    "tensorflow", reason="Keras takes text inside a model on TensorFlow "
+    "only (on JAX, in tf.data)")
+
+
 # One row per case: id, stock layer factory, per-model input shape(s) (a list
 # of shapes for merge layers). Every class of PER_SAMPLE_LAYERS has at least
 # one row (test_table_covers_every_per_sample_layer); random layers are
@@ -155,6 +171,12 @@ CASES = [
     ("Hashing", lambda: keras.layers.Hashing(7), IntShape((3,), 100)),
     ("HashedCrossing", lambda: keras.layers.HashedCrossing(
         9, output_mode="one_hot"), [IntShape((1,), 20), IntShape((1,), 20)]),
+    ("IntegerLookup", lambda: keras.layers.IntegerLookup(
+        vocabulary=[1, 2, 3, 5, 8]), IntShape((3,), 10)),
+    ("StringLookup", lambda: keras.layers.StringLookup(
+        vocabulary=["a", "b", "zz"], output_mode="multi_hot"), Texts((2,))),
+    ("TextVectorization", lambda: keras.layers.TextVectorization(
+        vocabulary=["a", "b", "c"], output_sequence_length=3), Texts((1,))),
     # Random augmentation, compared in inference mode here.
     ("RandomFlip", lambda: keras.layers.RandomFlip(), (4, 4, 2)),
     ("RandomRotation", lambda: keras.layers.RandomRotation(0.2), (4, 4, 2)),
@@ -194,7 +216,8 @@ CASES = [
         sampling_rate=100), (40,)),
     ("Lambda", lambda: keras.layers.Lambda(lambda t: t * 2.0 + 1.0), (4, 3)),
 ]
-CASE_IDS = [case[0] for case in CASES]
+CASE_IDS = [pytest.param(case[0], marks=TEXT_ONLY_ON_TENSORFLOW)
+            if isinstance(case[2], Texts) else case[0] for case in CASES]
 CASES_BY_ID = {case[0]: case for case in CASES}
 
 
@@ -202,10 +225,18 @@ def make_inputs(shapes, rng, num_models=NUM_MODELS, batch=BATCH):
     """One random `[batch, B, *shape]` array per input of the layer (of
     integers in [0, high) for an `IntShape`)."""
     shapes = shapes if isinstance(shapes, list) else [shapes]
-    return [rng.integers(0, s.high, (batch, num_models, *s.shape))
+    return [_texts(rng.choice(WORDS, (batch, num_models, *s.shape)))
+            if isinstance(s, Texts)
+            else rng.integers(0, s.high, (batch, num_models, *s.shape))
             if isinstance(s, IntShape)
             else rng.standard_normal((batch, num_models, *s)).astype("float32")
             for s in shapes]
+
+
+def _texts(words):
+    import tensorflow as tf
+
+    return tf.constant(words)
 
 
 def call(layer, inputs, **kwargs):

@@ -516,10 +516,13 @@ def test_layers_with_state_outside_keras_variables_are_refused():
     model = keras.Model(inputs, block(layers.Dense(3)(inputs)))
     with pytest.raises(ValueError, match=r"'counter'.*counter\.count"):
         hftatf.fuse(model, 2)
-    lookup = layers.StringLookup(vocabulary=["a", "b"], name="lookup")
-    assert not resolve.is_supported(lookup)
-    with pytest.raises(ValueError, match="'lookup'.*outside Keras variables"):
-        resolve.fused_form(lookup)
+    # A layer of another framework's holds its state there.
+    wrapped = layers.JaxLayer(lambda params, inputs: inputs, params={},
+                              name="wrapped")
+    assert not resolve.is_supported(wrapped)
+    with pytest.raises(ValueError,
+                       match="'wrapped'.*outside Keras variables"):
+        resolve.fused_form(wrapped)
 
 
 class StatefulBlock(layers.Layer):

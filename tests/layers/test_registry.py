@@ -50,14 +50,18 @@ def test_layer_without_a_fused_form_runs_once_per_model(layer):
 
 
 def test_layer_that_cannot_run_per_model_is_named_in_the_error():
-    layer = keras.layers.IntegerLookup(vocabulary=[1, 2], name="my_lookup")
+    # Padded to each batch's longest text: it cannot be folded, and its
+    # lookup table cannot be copied per model.
+    layer = keras.layers.TextVectorization(vocabulary=["a"], name="my_lookup")
     assert not resolve.is_supported(layer)
     with pytest.raises(ValueError) as error:
         resolve.fused_form(layer)
     message = str(error.value)
     assert "'my_lookup'" in message
-    assert "keras.src.layers.preprocessing.integer_lookup.IntegerLookup" in (
-        message)
+    assert ("keras.src.layers.preprocessing.text_vectorization."
+            "TextVectorization") in message
+    # The reason of the form its class has, which names the fix.
+    assert "`output_sequence_length`" in message
     with pytest.raises(ValueError, match="my_lookup"):
         resolve.fuse_layer(layer, 2)
 
@@ -102,12 +106,15 @@ REQUIRED_ARGS = {
     "RandomSaturation": (0.1,), "RandomSharpness": (0.1,),
     "RandomPosterization": (4,),
 }
+# Keyword arguments where the defaults make a layer that does not fold.
+FOLDING_KWARGS = {"TextVectorization": {"output_sequence_length": 4}}
 
 
 @pytest.mark.parametrize("stock_class", PER_SAMPLE_LAYERS,
                          ids=lambda c: c.__name__)
 def test_per_sample_layers_are_folded(stock_class):
-    stock = stock_class(*REQUIRED_ARGS.get(stock_class.__name__, ()))
+    stock = stock_class(*REQUIRED_ARGS.get(stock_class.__name__, ()),
+                        **FOLDING_KWARGS.get(stock_class.__name__, {}))
     assert stock_class in resolve.supported_layers()
     assert resolve.fused_form(stock) is FusedFold
     assert resolve.is_foldable(stock)
@@ -116,8 +123,11 @@ def test_per_sample_layers_are_folded(stock_class):
     assert fused.num_models == 3
     assert type(fused.layer) is stock_class
     # A copy with its own random state; a Lambda (stateless, and its
-    # function may not survive a config round trip) is shared.
-    assert (fused.layer is stock) == (stock_class is keras.layers.Lambda)
+    # function may not survive a config round trip) and a lookup (whose
+    # vocabulary its config may not hold) are shared.
+    assert (fused.layer is stock) == (stock_class in (
+        keras.layers.Lambda, keras.layers.StringLookup,
+        keras.layers.IntegerLookup, keras.layers.TextVectorization))
     assert fused.layer.get_config() == stock.get_config()
 
 
