@@ -38,7 +38,8 @@ def model_results(history, hyperparameters=None, diverged=None,
     quantity at the last epoch the model's loss was finite (all of one
     epoch: a diverged model's row is where it stood before it diverged),
     and `status` (`"diverged"` or `"ok"`). Validation quantities without a
-    value (a run without validation) are left out.
+    value in any epoch of any model (a run without validation) are left
+    out; those of a run whose every model diverged are kept, as NaN.
 
     Args:
         history: a per-model history dict.
@@ -70,7 +71,8 @@ def model_results(history, hyperparameters=None, diverged=None,
             row["status"] = "diverged" if diverged[b] else "ok"
         rows.append(row)
     empty = [name for name in names if name.startswith("val_")
-             and all(math.isnan(row[name]) for row in rows)]
+             and not any(_finite(float(value)) for b in range(num_models)
+                         for value in history.get(f"{name}_{b}", []))]
     for row in rows:
         for name in empty:
             del row[name]

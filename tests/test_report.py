@@ -113,3 +113,18 @@ def test_hyperparameters_are_shown_as_given():
     rows = [{"model": 0, "learning_rate": float(np.float32(0.03)),
              "loss": 0.5}]
     assert "0.03 " in report.format_table(rows, ["learning_rate"]) + " "
+
+
+def test_results_keep_validation_where_every_model_diverged():
+    nan = math.nan
+    diverged = {"loss_0": [nan, nan], "loss_1": [nan, nan],
+                "val_loss_0": [2.0, 2.0], "val_loss_1": [3.0, 3.0]}
+    rows = report.model_results(diverged, {"learning_rate": [1e6, 1e9]},
+                                diverged=[True, True])
+    # No model has a finite epoch to report, but the run validated.
+    assert all(math.isnan(row["val_loss"]) for row in rows)
+    assert [row["status"] for row in rows] == ["diverged", "diverged"]
+    unvalidated = {"loss_0": [1.0], "loss_1": [2.0],
+                   "val_loss_0": [nan], "val_loss_1": [nan]}
+    rows = report.model_results(unvalidated, num_models=2)
+    assert "val_loss" not in rows[0]
