@@ -12,6 +12,7 @@ pipelines) and, where it is missing, says what to install.
 
 import contextlib
 import importlib
+import sys
 
 import keras
 import numpy as np
@@ -45,6 +46,12 @@ def require_tensorflow(feature):
         ImportError: TensorFlow is not installed; the message names the
             feature and the fix.
     """
+    # Imported already wherever a tf.data function (which AutoGraph
+    # converts) calls this: AutoGraph would warn that it cannot convert
+    # Python's import machinery.
+    module = sys.modules.get("tensorflow")
+    if module is not None:
+        return module
     try:
         return importlib.import_module("tensorflow")
     except ImportError as error:

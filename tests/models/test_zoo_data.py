@@ -4,6 +4,7 @@ parametric shapes, and users' own data (datasets, TFRecord files,
 tensorflow-datasets directories), which need TensorFlow."""
 
 import importlib.util
+import logging
 import os
 import pathlib
 import subprocess
@@ -127,6 +128,16 @@ def test_from_datasets_converts_users_images():
                  atol=1e-6)
     with pytest.raises(ValueError, match="channels"):
         data.from_datasets(dataset, None, 4, channels=2)
+
+
+def test_users_images_are_converted_without_autograph_warnings(caplog):
+    tf = pytest.importorskip("tensorflow")
+    images = np.zeros((4, 6, 6), "uint8")
+    dataset = tf.data.Dataset.from_tensor_slices((images, np.arange(4)))
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        data.from_datasets(dataset, dataset, 2, channels=3, augment=True)
+    assert not [record.getMessage() for record in caplog.records
+                if "AutoGraph" in record.getMessage()]
     with pytest.raises(ValueError, match="batch_size"):
         data.from_datasets(dataset, None, 0)
 
