@@ -40,9 +40,10 @@ def whole_steps(smallest, local, batch, steps_per_execution, what,
     whole -= whole % steps_per_execution
     if whole == 0:
         message = (
-            f"The {what} set ({described}) has {smallest} batches of "
-            f"{batch} per input pipeline: not one step of "
-            f"{steps_per_execution} x {local} replica batches.")
+            f"The {what} set ({described}) has {smallest} whole batches "
+            f"of {batch} examples per input pipeline (a pass drops its "
+            f"last, partial batch): not one step of {steps_per_execution} "
+            f"x {local} replica batches.")
         if what == "training":
             raise ConfigError(
                 f"{message} Lower --batch_size or --steps_per_execution.")
@@ -56,8 +57,9 @@ def check_one_step(smallest, local, batch, described):
     `local` replica batches (the stream repeats it)."""
     if smallest < local:
         raise ConfigError(
-            f"The training set ({described}) has {smallest} batches of "
-            f"{batch} per input pipeline: not one step of {local} replica "
+            f"The training set ({described}) has {smallest} whole batches "
+            f"of {batch} examples per input pipeline (a pass drops its "
+            f"last, partial batch): not one step of {local} replica "
             "batches. Lower --batch_size.")
 
 
