@@ -213,7 +213,8 @@ def export_models(array, directory, history=None, format=None):
             have are removed, so `index.json` and the `model_{b}`
             directories list this export's models only; nothing else there
             is touched (only `model_{b}` directories the earlier
-            `index.json` lists are removed).
+            `index.json` lists are removed), and a `model_{b}` entry that
+            no export wrote is refused before anything is written.
         history: a `keras.callbacks.History` (what `fit` returns) or its
             `history` dict; defaults to the array's last `fit`.
         format: what to write for each model: one of `"keras"`,
@@ -226,7 +227,8 @@ def export_models(array, directory, history=None, format=None):
 
     Raises:
         ImportError: for `"saved_model"` where TensorFlow is not installed.
-        ValueError: for `"checkpoint"` on a backend other than TensorFlow.
+        ValueError: for `"checkpoint"` on a backend other than TensorFlow,
+            or a `model_{b}` entry in `directory` that no export wrote.
 
     Returns:
         The list of the B model directories.
@@ -235,6 +237,7 @@ def export_models(array, directory, history=None, format=None):
     formats = _check_formats(format)
     directory = _export_directory(directory)
     earlier = _earlier_model_dirs(directory)
+    _check_replaceable(directory, array.num_models, earlier)
     if history is None:
         history = getattr(array, "history", None)
     optimizer = getattr(array, "optimizer", None)
@@ -305,6 +308,27 @@ def _earlier_model_dirs(directory):
     return {entry["path"] for entry in entries
             if re.fullmatch(r"model_(0|[1-9][0-9]*)", entry["path"])
             and (directory / entry["path"]).is_dir()}
+
+
+def _check_replaceable(directory, num_models, earlier):
+    """Refuses, before anything is written, a `model_{b}` entry of
+    `directory` that this export would replace and that is not a model
+    an export wrote (listed in the `earlier` index, or holding its
+    `metadata.json`, as one a killed export moved into place does): a
+    user's own files there are never replaced."""
+    for b in range(num_models):
+        path = directory / f"model_{b}"
+        if not path.exists() and not path.is_symlink():
+            continue
+        if path.name in earlier or (
+                path.is_dir() and not path.is_symlink()
+                and (path / METADATA_FILE).is_file()):
+            continue
+        raise ValueError(
+            f"hftatf.export_models writes model {b} to '{path}', which "
+            "exists and is not a model an earlier export wrote, so it will "
+            "not replace it. Move it away, or export into another "
+            "directory.")
 
 
 def _check_formats(format):

@@ -152,6 +152,26 @@ def test_export_of_fewer_models_removes_the_earlier_ones(tmp_path):
     assert len(hftatf.load_models(tmp_path)) == 2
 
 
+def test_a_model_directory_no_export_wrote_is_refused(tmp_path):
+    mine = tmp_path / "model_1"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=(
+            r"model 1 to '.*model_1', which exists and is not a model an "
+            r"earlier export wrote")):
+        export(tmp_path)
+    assert (mine / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model_1"]
+
+
+def test_models_a_killed_export_moved_into_place_are_replaced(tmp_path):
+    export(tmp_path, num_models=2)
+    # Killed after moving its models, before writing its index.
+    (tmp_path / "index.json").unlink()
+    export(tmp_path, num_models=2)
+    assert len(hftatf.load_models(tmp_path)) == 2
+
+
 def test_export_over_a_malformed_index_removes_nothing(tmp_path):
     export(tmp_path, num_models=3)
     (tmp_path / "index.json").write_text("{not json")
