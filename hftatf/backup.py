@@ -140,10 +140,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                 old.unlink(missing_ok=True)
 
     def on_train_end(self, logs=None):
-        if self.delete_checkpoint and self.backup_dir.exists():
-            self._metadata_path.unlink(missing_ok=True)
-            for path in self.backup_dir.glob("epoch-*"):
-                path.unlink(missing_ok=True)
+        if self.delete_checkpoint:
+            delete_backup(self.backup_dir)
 
     # -- the state of the other callbacks ------------------------------------
 
@@ -192,6 +190,16 @@ class BackupAndRestore(keras.callbacks.Callback):
                 for attribute, value in _with_arrays(
                         state["state"], arrays).items():
                     setattr(callback, attribute, value)
+
+
+def delete_backup(backup_dir):
+    """Deletes the backup in `backup_dir` (its metadata first: a backup
+    without it is none), as `BackupAndRestore` does when `fit` ends."""
+    backup_dir = pathlib.Path(backup_dir)
+    if backup_dir.exists():
+        (backup_dir / METADATA).unlink(missing_ok=True)
+        for path in backup_dir.glob("epoch-*"):
+            path.unlink(missing_ok=True)
 
 
 def read_metadata(backup_dir):

@@ -277,7 +277,11 @@ def train(config, callbacks=()):
     """
     plan = _prepare(config.validate().resolved())
     array, header = _fit(plan, callbacks)
-    return _report(plan, array, header)
+    run = _report(plan, array, header)
+    # Only now: a run killed while it wrote its results resumes from its
+    # last epoch, to write them.
+    backup.delete_backup(plan.model_dir / BACKUP_DIR)
+    return run
 
 
 @dataclasses.dataclass
@@ -390,7 +394,8 @@ def _fit(plan, callbacks):
                     plan.history_path, append=True,
                     hyperparameters=plan.hyperparameters),
                 *_tensorboard(plan),
-                backup.BackupAndRestore(model_dir / BACKUP_DIR),
+                backup.BackupAndRestore(model_dir / BACKUP_DIR,
+                                        delete_checkpoint=False),
                 *_table_logger(plan),
                 *callbacks,
             ])

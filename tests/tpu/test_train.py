@@ -225,6 +225,32 @@ def test_rerun_after_an_interruption_resumes(tmp_path):
     assert len(run.history["loss_0"]) == 3
 
 
+def test_a_run_killed_while_it_writes_its_results_writes_them_again(
+        tmp_path, monkeypatch):
+    config = one_step("mlp", tmp_path, epochs=2, train_steps=2)
+    write_results = train._report
+    trained = []
+
+    def killed(plan, array, header):
+        trained.append(array.get_weights())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_report", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(config)
+    # The trained run is kept, not trained again.
+    backup = tmp_path / "mlp" / "backup"
+    assert json.loads((backup / "backup.json").read_text())["epoch"] == 2
+    monkeypatch.setattr(train, "_report", write_results)
+    run = train.train(config)
+    assert run.initial_epoch == 2
+    for got, want in zip(run.array.get_weights(), trained[0]):
+        np.testing.assert_array_equal(got, want)
+    assert [r["model"] for r in run.results] == [0, 1]
+    assert len(read_csv(tmp_path / "mlp" / results.HISTORY_FILE)) == 4
+    assert not (backup / "backup.json").exists()
+
+
 def test_resuming_another_number_of_models_fails_before_writing(tmp_path):
     config = one_step("mlp", tmp_path, epochs=2, train_steps=2)
     with pytest.raises(KeyboardInterrupt):
