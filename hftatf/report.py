@@ -18,6 +18,7 @@ from hftatf.core.logs import (
     as_given,
     monitor_direction,
     ordered_names,
+    restored_positions,
     split_logs,
 )
 
@@ -33,10 +34,11 @@ def metric_names(history, exclude=()):
 
 
 def model_results(history, hyperparameters=None, diverged=None,
-                  num_models=None):
+                  num_models=None, positions=None):
     """One dict per model: `model`, its hyper-parameters, each logged
     quantity at the last epoch the model's loss was finite (all of one
-    epoch: a diverged model's row is where it stood before it diverged),
+    epoch: a diverged model's row is where it stood before it diverged)
+    or, for a model in `positions`, at the epoch whose weights it holds,
     and `status` (`"diverged"` or `"ok"`). Validation quantities without a
     value in any epoch of any model (a run without validation) are left
     out; those of a run whose every model diverged are kept, as NaN.
@@ -46,8 +48,12 @@ def model_results(history, hyperparameters=None, diverged=None,
         hyperparameters: name -> B values (what makes each model), or None.
         diverged: B booleans, or None.
         num_models: B; default: the length of the hyper-parameters.
+        positions: `{model index: position in the history's lists}` of the
+            epochs whose weights early stopping restored
+            (`hftatf.core.logs.restored_positions`), or None.
     """
     hyperparameters = hyperparameters or {}
+    positions = positions or {}
     if num_models is None:
         num_models = len(next(iter(hyperparameters.values())))
     names = metric_names(history, exclude=hyperparameters)
@@ -57,7 +63,8 @@ def model_results(history, hyperparameters=None, diverged=None,
         row.update({name: values[b]
                     for name, values in hyperparameters.items()})
         losses = history.get(f"loss_{b}")
-        epoch = None if losses is None else _last_finite_epoch(losses)
+        epoch = positions.get(b, None if losses is None
+                              else _last_finite_epoch(losses))
         for name in names:
             values = [float(v) for v in history.get(f"{name}_{b}", [])]
             if losses is not None and epoch is None:
@@ -133,9 +140,10 @@ def monitor_mode(model, monitor, mode="auto"):
 
 def rank_models(array, monitor="val_loss", mode="auto", history=None):
     """The models of `array` best first by `monitor`: a list of
-    `(model index, value)`, the value at the model's last epoch with a
-    finite loss, as the launcher's table shows it. Diverged models, and
-    models without a finite value, come last.
+    `(model index, value)`, the value at the epoch whose weights the model
+    holds (the best, where `hftatf.callbacks.EarlyStopping` restored it;
+    else its last epoch with a finite loss, as the launcher's table shows
+    it). Diverged models, and models without a finite value, come last.
 
     Args:
         array: a trained `FusedModel`.
@@ -143,18 +151,21 @@ def rank_models(array, monitor="val_loss", mode="auto", history=None):
             Where it has no value (no validation) the training `loss`
             ranks the models.
         mode: "auto" (the direction Keras callbacks infer), "min" or "max".
-        history: a per-model history dict; default: that of the array's
-            last `fit`.
+        history: a per-model history dict, or the `keras.callbacks.History`
+            that `fit` returns; default: that of the array's last `fit`.
     """
     if history is None:
-        history = getattr(getattr(array, "history", None), "history", None)
+        history = getattr(array, "history", None)
+    positions = {}
+    if isinstance(history, keras.callbacks.History):
+        history, positions = history.history, restored_positions(history)
     if not history:
         raise ValueError(
             f"Array '{array.name}' has no history to rank its models by: "
             "call `fit` first, or pass `history=` (a dict of per-model "
             "values such as `fit(...).history`).")
     rows = model_results(history, diverged=array.diverged_models,
-                         num_models=array.num_models)
+                         num_models=array.num_models, positions=positions)
     mode = monitor_mode(array, monitor, mode)
     key, _ = best_monitor(rows, monitor, mode)
     return [(row["model"], row.get(key, math.nan))

@@ -6,12 +6,19 @@ import math
 import keras
 import numpy as np
 import pytest
+from testing import assert_close
 
 import hftatf
 from hftatf import report
 from hftatf.core import logs
 
 RATES = [0.3, 0.1, 0.03]
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((64, 4)).astype("float32"),
+            rng.integers(0, 3, 64))
 
 
 def trained_array(epochs, callbacks=()):
@@ -22,9 +29,7 @@ def trained_array(epochs, callbacks=()):
     array.compile(hftatf.optimizers.SGD(RATES),
                   loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((64, 4)).astype("float32")
-    y = rng.integers(0, 3, 64)
+    x, y = data()
     history = array.fit(x, y, batch_size=16, epochs=epochs,
                         validation_split=0.25, verbose=0,
                         callbacks=list(callbacks))
@@ -80,6 +85,20 @@ def test_ranking_follows_the_last_fits_history_as_the_table_does():
     assert best["model"] == ranking[0][0]
     assert [b for b, _ in array.rank_models()] == sorted(
         range(3), key=lambda b: history[f"val_loss_{b}"][-1])
+
+
+def test_ranking_reads_the_epochs_whose_weights_the_models_hold():
+    early = hftatf.callbacks.EarlyStopping(
+        monitor="val_loss", patience=10, restore_best_weights=True)
+    array, history = trained_array(6, callbacks=[early])
+    x, y = data()
+    held = array.evaluate(x[48:], y[48:], verbose=0, return_dict=True)
+    ranking = dict(array.rank_models("val_loss"))
+    for b in range(3):
+        assert_close(ranking[b], held[f"loss_{b}"], err_msg=f"model {b}")
+    # Not all of them hold their last epoch's weights.
+    assert any(abs(history[f"val_loss_{b}"][-1] - ranking[b]) > 1e-4
+               for b in range(3))
 
 
 def test_diverged_models_rank_last():

@@ -233,6 +233,16 @@ def weights_epoch(history, index):
     return int(epochs[-1]) if epochs else None
 
 
+def restored_positions(history):
+    """`{index: position}` for each model whose weights early stopping
+    restored after the `fit` that returned `history`: the position, in
+    the lists of `history.history`, of the epoch whose weights it holds."""
+    epochs = [int(e) for e in getattr(history, "epoch", ())]
+    restored = getattr(history, _WEIGHTS_EPOCHS, None) or {}
+    return {index: epochs.index(epoch) for index, epoch in restored.items()
+            if epoch in epochs}
+
+
 # -- stock callbacks and an array's logs ------------------------------------
 
 # Stock callbacks that read (or set) one learning rate, where an array's
