@@ -320,3 +320,22 @@ def test_finite_per_model_is_exact(mode):
     # Rows of models 0 (overflowing sum, finite) and 2 (NaN); none of 1.
     assert list(run((dense, None), sparse)) == [True, True, False]
     assert list(run((np.zeros((B,), "float32"), None))) == [True] * B
+
+
+def test_models_diverging_in_one_epoch_are_reported_in_one_warning(caplog):
+    num_models = 12
+    keras.utils.set_random_seed(0)
+    array = hftatf.fuse(regressor(), num_models)
+    # Ten of them overflow at once.
+    array.compile(optimizer=hftatf.optimizers.SGD(
+        [1e30] * 10 + [0.01, 0.01]), loss="mse")
+    with caplog.at_level(logging.WARNING):
+        fit(array, epochs=2)
+    assert array.diverged_models.tolist() == [True] * 10 + [False] * 2
+    warnings = [r.getMessage() for r in caplog.records
+                if "diverged" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(
+        f"10 models of array '{array.name}' diverged in epoch 1: 0 (step ")
+    assert "and 2 more (`diverged_models` lists them all)" in warnings[0]
+    assert "the other models train on" in warnings[0]

@@ -261,25 +261,52 @@ class DivergenceReport(keras.callbacks.Callback):
             f"batch {batch} of epoch {self._epoch} (counted from 0)", found)
 
     def _report(self):
+        """Warns once for the models that diverged since the last report:
+        one line, however many they are."""
         model = self.model
+        new = [int(index) for index in np.flatnonzero(model.diverged_models)
+               if index not in model._reported_divergence]
+        if not new:
+            return
+        model._reported_divergence.update(new)
         steps = ops.convert_to_numpy(model._status.diverged_at)
         in_update = ops.convert_to_numpy(model._status.diverged_in_update)
-        for index in np.flatnonzero(model.diverged_models):
-            if index not in model._reported_divergence:
-                model._reported_divergence.add(int(index))
-                if in_update[index]:
-                    how = (": its optimizer's update made its weights "
-                           "non-finite, though its loss and gradients were "
-                           "finite (a hyper-parameter out of range?). It is "
-                           "frozen with the weights it had before that "
-                           "update")
-                else:
-                    how = (" (non-finite loss or gradient). It is frozen "
-                           "with its last finite weights")
-                logging.warning(
-                    "Model %d of array '%s' diverged at step %d%s and its "
-                    "loss is logged as NaN; the other models train on.",
-                    index, model.name, int(steps[index]), how)
+        logging.warning("%s", divergence_report(
+            model.name, self._epoch, new,
+            [int(steps[index]) for index in new],
+            [bool(in_update[index]) for index in new]))
+
+
+# Models a divergence warning names one by one; the rest it counts.
+_NAMED = 8
+
+
+def divergence_report(name, epoch, models, steps, in_update):
+    """The warning for `models` of array `name` that diverged in `epoch`
+    (counted from 0), at `steps`, where `in_update` their optimizer's
+    update made their weights non-finite."""
+    update = ("its optimizer's update made its weights non-finite, though "
+              "its loss and gradients were finite (a hyper-parameter out of "
+              "range?): frozen with the weights it had before that update")
+    if len(models) == 1:
+        how = update if in_update[0] else (
+            "non-finite loss or gradient: frozen with its last finite "
+            "weights")
+        return (f"Model {models[0]} of array '{name}' diverged at step "
+                f"{steps[0]}, in epoch {epoch + 1} ({how}). Its loss is "
+                "logged as NaN; the other models train on.")
+    named = ", ".join(f"{b} (step {step}{', *' if flag else ''})"
+                      for b, step, flag in list(zip(
+                          models, steps, in_update))[:_NAMED])
+    if len(models) > _NAMED:
+        named += (f" and {len(models) - _NAMED} more (`diverged_models` "
+                  "lists them all)")
+    text = (f"{len(models)} models of array '{name}' diverged in epoch "
+            f"{epoch + 1}: {named}. Each is frozen with its last finite "
+            "weights (non-finite loss or gradient)")
+    if any(in_update):
+        text += f"; where marked *, {update}"
+    return text + ". Their losses are logged as NaN; the other models train on."
 
 
 def finite_per_model(tensors, num_models):
