@@ -86,6 +86,7 @@ class EarlyStopping(PerModelMonitorCallback):
                                          num_models)
         self._watched = [bool(a) for a in array.active_models]
         self._restored = [False] * num_models
+        self._last_epoch = None
 
     def on_epoch_end(self, epoch, logs=None):
         if self.monitor_op is None:
@@ -123,19 +124,21 @@ class EarlyStopping(PerModelMonitorCallback):
             changed = sorted(set(unset) | set(improved))
             for b, weights in zip(changed, _model_weights(array, changed)):
                 self.best_weights[b] = weights
+        self._last_epoch = epoch
         if stopping:
             array.freeze_models(stopping)
-            for b in stopping:
-                if self.verbose > 0:
-                    print_msg(
-                        f"Epoch {epoch + 1}: early stopping model {b}")
-                self._restore(b)
+            restored = [b for b in stopping if self._restore(b)]
+            if self.verbose > 0:
+                print_msg(f"Epoch {epoch + 1}: early stopping "
+                          f"{_models(stopping)}"
+                          f"{self._restored_text(restored)}.")
         if self.stop_training_when_all_stopped and not np.any(
                 array.active_models):
             self.model.stop_training = True
 
     def on_train_end(self, logs=None):
         history = getattr(self.model, "history", None)
+        announce = []
         for b in range(len(self.best_weights)):
             # Models restored when they stopped are restored again (and
             # said so once): a frozen model's moving statistics
@@ -143,22 +146,58 @@ class EarlyStopping(PerModelMonitorCallback):
             # training steps, which freezing leaves on.
             announced = self._restored[b]
             self._restored[b] = False
-            self._restore(b, announce=not announced)
-            if self._restored[b] and history is not None:
+            if not self._restore(b):
+                continue
+            if not announced and self.best_epoch[b] != self._last_epoch:
+                announce.append(b)
+            if history is not None:
                 # What export_models reads: the metrics of this epoch are
                 # those of the weights the model holds.
                 set_weights_epoch(history, b, self.best_epoch[b])
+        if self.verbose > 0 and announce:
+            print_msg(f"Restoring the weights of {_models(announce)} from "
+                      f"the end of {self._epochs_text(announce)}.")
 
-    def _restore(self, b, announce=True):
+    def _restore(self, b):
+        """Gives model `b` its best weights where it is to; returns
+        whether it did."""
         if not self.restore_best_weights or self._restored[b] or (
                 self.best_weights[b] is None):
-            return
-        if self.verbose > 0 and announce:
-            print_msg(
-                f"Restoring model {b}'s weights from the end of its best "
-                f"epoch: {self.best_epoch[b] + 1}.")
+            return False
         self.array.set_model_weights(b, self.best_weights[b])
         self._restored[b] = True
+        return True
+
+    def _epochs_text(self, models):
+        """Which best epochs `models` were restored to, in words."""
+        if len(models) == 1:
+            return f"its best epoch: {self.best_epoch[models[0]] + 1}"
+        epochs = ", ".join(f"{self.best_epoch[b] + 1}"
+                           for b in models[:_NAMED])
+        more = "" if len(models) <= _NAMED else ", ..."
+        return f"their best epochs: {epochs}{more}"
+
+    def _restored_text(self, models):
+        """What restoring `models`, which stopped, is, in words."""
+        if not models:
+            return ""
+        owner = "its" if len(models) == 1 else "their"
+        return (f"; restoring {owner} weights from the end of "
+                f"{self._epochs_text(models)}")
+
+
+# Models a message names one by one; the rest it counts.
+_NAMED = 8
+
+
+def _models(models):
+    """`models` (indices) in words: "model 3", "3 models: 0, 4, 7"."""
+    if len(models) == 1:
+        return f"model {models[0]}"
+    named = ", ".join(str(b) for b in models[:_NAMED])
+    if len(models) > _NAMED:
+        named += f" and {len(models) - _NAMED} more"
+    return f"{len(models)} models ({named})"
 
 
 def _model_weights(array, indices):
