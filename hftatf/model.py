@@ -235,10 +235,14 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
             optimizer = fused_optimizers.LossScaleOptimizer(
                 optimizer, name="loss_scale_optimizer")
         optimizer.num_models = self.num_models
+        replica_jit = self._uses_replica_jit(jit_compile, run_eagerly)
         super().compile(
             optimizer=optimizer, loss=loss, loss_weights=loss_weights,
             metrics=None, weighted_metrics=None, run_eagerly=run_eagerly,
-            steps_per_execution=steps_per_execution, jit_compile=jit_compile,
+            steps_per_execution=steps_per_execution,
+            # A strategy's whole step does not compile (nor does a stock
+            # model's): each replica's pass is compiled instead.
+            jit_compile=False if replica_jit else jit_compile,
             auto_scale_loss=auto_scale_loss)
         # Each model's loss is its own `CompileLoss` (`compile_model_losses`).
         # Keras's would never be built, and Keras traces a model whose
@@ -261,14 +265,13 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
                 f"models_per_pass={models_per_pass!r}; use None or 'auto'.")
         self._models_per_pass = models_per_pass
         self._resolved_models_per_pass = None
-        self._replica_jit_compile = self._uses_replica_jit(jit_compile,
-                                                           run_eagerly)
+        self._replica_jit_compile = replica_jit
         self._compiled_forward = None
         self.compile_model_losses(loss, loss_weights, metrics,
                                   weighted_metrics)
         compat.compile_config(self).update(
             metrics=metrics, weighted_metrics=weighted_metrics,
-            per_model_labels=per_model_labels)
+            per_model_labels=per_model_labels, jit_compile=jit_compile)
         if models_per_pass != "auto":
             # Only where set: subclasses with training steps of their own
             # (and compile signatures without it) reload their configs.

@@ -15,6 +15,10 @@ REPLICAS = int(sys.argv[1])
 SYNCHRONIZED = len(sys.argv) > 2 and sys.argv[2] == "synchronized"
 # Each replica's step computes its models in passes of one.
 MODELS_PER_PASS = 1 if len(sys.argv) > 2 and sys.argv[2] == "passes" else None
+# `jit_compile=True` asks for what "auto" gives under a strategy: each
+# replica's pass compiled (Keras's whole distributed step does not compile).
+JIT_COMPILE = (True if len(sys.argv) > 2 and sys.argv[2] == "compiled"
+               else "auto")
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(
     cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
@@ -51,7 +55,8 @@ def train(strategy):
         array.compile(
             optimizer=hftatf.optimizers.Adam([0.01, 0.02, 0.03]),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"], models_per_pass=MODELS_PER_PASS)
+            metrics=["accuracy"], models_per_pass=MODELS_PER_PASS,
+            jit_compile=JIT_COMPILE)
     history = array.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1,
                         shuffle=False, verbose=0)
     weights = [np.asarray(w) for w in array.get_weights()]
