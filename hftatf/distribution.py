@@ -132,6 +132,14 @@ def distribution_from_name(name, num_models, devices=None):
         return None
     if name == "data" or (name == "auto" and num_models % len(devices)):
         return keras.distribution.DataParallel(devices=devices)
+    if num_models % len(devices):
+        raise ValueError(
+            f"The distribution 'models' splits the models over all "
+            f"{len(devices)} devices, which num_models={num_models} models "
+            f"cannot be split evenly over. Use a multiple of {len(devices)} "
+            "models, 'auto' or 'data' (each batch split over the devices), "
+            "or hftatf.distribution.ModelAxisParallel(num_models, "
+            "model_devices=...) with a divisor of both.")
     return ModelAxisParallel(num_models, devices)
 
 

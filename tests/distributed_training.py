@@ -10,7 +10,7 @@ import keras
 import numpy as np
 
 import hftatf
-from hftatf.distribution import ModelAxisParallel
+from hftatf.distribution import ModelAxisParallel, distribution_from_name
 
 B = 4
 
@@ -48,10 +48,14 @@ def train(distribution, initial):
 def main(case):
     devices = keras.distribution.list_devices()
     if case == "indivisible":
-        try:
-            ModelAxisParallel(6, devices)
-        except ValueError as error:
-            print(json.dumps({"error": str(error)}))
+        errors = []
+        for make in (lambda: ModelAxisParallel(6, devices),
+                     lambda: distribution_from_name("models", 6, devices)):
+            try:
+                make()
+            except ValueError as error:
+                errors.append(str(error))
+        print(json.dumps({"errors": errors}))
         return
     distribution = {
         "models": lambda: ModelAxisParallel(B, devices),
