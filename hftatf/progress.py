@@ -15,6 +15,7 @@ lists them in model order.
 """
 
 import math
+import os
 import re
 import shutil
 import sys
@@ -31,9 +32,25 @@ _SEPARATOR = " - "
 _ELLIPSIS = "…"
 
 
+# The width of a line written to a file or a pipe: a log keeps every
+# quantity the line has room for on a wide terminal, and its best and
+# worst models.
+LOG_WIDTH = 240
+
+
 def terminal_width():
-    """The terminal's width in characters (`COLUMNS` where it is set)."""
+    """The terminal's width in characters (`COLUMNS` where it is set);
+    `LOG_WIDTH` where the output is no terminal."""
+    if "COLUMNS" not in os.environ and not _is_terminal(sys.stdout):
+        return LOG_WIDTH
     return shutil.get_terminal_size((80, 24)).columns
+
+
+def _is_terminal(stream):
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # No stream, or a closed one.
+        return False
 
 
 def visible_length(text):

@@ -161,3 +161,19 @@ def test_compact_text_keeps_the_status_and_says_what_it_left_out():
     assert text == "1 diverged - val_loss 2 - …"
     assert math.isnan(progress.quantities(
         {"loss_0": math.nan}, 1)[0].mean)
+
+
+def test_a_log_file_keeps_every_quantity(monkeypatch, capsys):
+    # Written to a file or pipe (here pytest's capture), with no COLUMNS:
+    # the epoch line is not cut to a terminal's 80 columns.
+    monkeypatch.delenv("COLUMNS", raising=False)
+    x, y = data()
+    array = make_array(5)
+    array.set_model_weights(1, [w * 1e37 for w in array.get_model_weights(1)])
+    array.fit(x * 1e3, y, batch_size=16, epochs=1, verbose=2,
+              validation_data=(x, y))
+    last = shown_lines(capsys.readouterr().out)[-1]
+    assert len(last) > 80, last
+    for name in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        assert f" - {name} " in last, (name, last)
+    assert " - 1 diverged - " in last, last
