@@ -81,6 +81,7 @@ def plot_loss_curves(history, labels, path, best=None, diverged=None):
     figure, axes = _panels(len(names))
     legend = len(labels) <= _LEGEND_MODELS
     for axis, name in zip(axes, names):
+        crossed, unseen = False, 0
         for b, label in enumerate(labels):
             values = history.get(f"{name}_{b}", [])
             epochs = range(1, len(values) + 1)
@@ -92,10 +93,20 @@ def plot_loss_curves(history, labels, path, best=None, diverged=None):
                       label=(f"{label} (best)" if thick else label)
                       if legend or thick else None)
             finite = [i for i, v in enumerate(values) if math.isfinite(v)]
-            if diverged is not None and diverged[b] and finite:
+            if diverged is not None and diverged[b] and not finite:
+                unseen += 1
+            elif diverged is not None and diverged[b]:
                 axis.plot(finite[-1] + 1, values[finite[-1]], "x",
                           color="red", markersize=9, zorder=4,
-                          label="diverged" if b == _first(diverged) else None)
+                          label=None if crossed else "diverged")
+                crossed = True
+        if unseen:
+            # No value to draw: the legend counts them.
+            axis.plot([], [], "x", color="darkred", label=(
+                f"{unseen} diverged before a finite value (not drawn)"))
+        if _spans_orders(history, name, len(labels)):
+            # One diverging model's large values would flatten the others.
+            axis.set_yscale("log")
         axis.set_xlabel("epoch")
         axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.set_ylabel(name)
@@ -107,8 +118,13 @@ def plot_loss_curves(history, labels, path, best=None, diverged=None):
     return pathlib.Path(path)
 
 
-def _first(flags):
-    return next(i for i, flag in enumerate(flags) if flag)
+def _spans_orders(history, name, num_models):
+    """Whether the models' finite values of `name` are all positive and
+    span a factor of 100 or more: they read on a log axis."""
+    values = [v for b in range(num_models)
+              for v in history.get(f"{name}_{b}", []) if math.isfinite(v)]
+    return bool(values) and min(values) > 0 and max(values) >= 100 * min(
+        values)
 
 
 def varied(columns):

@@ -68,6 +68,34 @@ def test_loss_curves_and_hyperparameter_plots(tmp_path):
         rows, {"learning_rate": [0.1] * 4}, tmp_path / "none.png") is None
 
 
+def test_loss_curves_of_outliers_and_models_never_finite(tmp_path,
+                                                        monkeypatch):
+    import matplotlib.figure
+
+    history = a_history()
+    # Model 1 reaches a loss 1e5 times the others'; model 2 diverges in
+    # its first epoch, and has no value to draw.
+    history["loss_1"] = [2.0, 5e4, 3e5, 3e5, 3e5]
+    history["loss_2"] = [math.nan] * 5
+    drawn = []
+    savefig = matplotlib.figure.Figure.savefig
+
+    def keep(figure, *args, **kwargs):
+        drawn.append(figure)
+        return savefig(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    plots.plot_loss_curves(history, [f"model {b}" for b in range(4)],
+                           tmp_path / plots.LOSS_CURVES_FILE, best=0,
+                           diverged=[False, False, True, True])
+    training, validation = drawn[0].axes
+    assert training.get_yscale() == "log"
+    assert validation.get_yscale() == "linear"
+    labels = [text.get_text() for text in training.get_legend().get_texts()]
+    assert "1 diverged before a finite value (not drawn)" in labels, labels
+    assert labels.count("diverged") == 1, labels
+
+
 def test_log_axis_for_rates_and_wide_positive_ranges():
     assert plots.log_axis("learning_rate", [0.1, 0.05])
     assert plots.log_axis("weight_decay", [1e-5, 1e-3])
