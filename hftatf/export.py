@@ -163,7 +163,8 @@ def library_versions():
 
 
 @hooks.provides("export_models")
-def export_models(array, directory, history=None, format=None):
+def export_models(array, directory, history=None, format=None,
+                  verbose="auto"):
     """Writes every model of `array` as a plain Keras model.
 
     For model `b`, `directory/model_{b}/` receives:
@@ -224,6 +225,8 @@ def export_models(array, directory, history=None, format=None):
             another, the `.keras` file, and the SavedModel where TensorFlow
             is installed). `load_models` needs `"keras"` or
             `"checkpoint"`.
+        verbose: 1 (or `"auto"`) for a progress bar over the models, 0
+            for none.
 
     Raises:
         ImportError: for `"saved_model"` where TensorFlow is not installed.
@@ -243,6 +246,8 @@ def export_models(array, directory, history=None, format=None):
     optimizer = getattr(array, "optimizer", None)
     compiles = "keras" in formats and compiles_stock_models(array)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=".export-", dir=directory))
+    bar = (keras.utils.Progbar(array.num_models, unit_name="model")
+           if verbose == "auto" or verbose else None)
     try:
         index = []
         for b, model in enumerate(array.unfuse(compile=False)):
@@ -267,6 +272,8 @@ def export_models(array, directory, history=None, format=None):
             })
             _write_json(path / METADATA_FILE, metadata)
             index.append({**metadata, "path": path.name})
+            if bar is not None:
+                bar.update(b + 1)
         # No index may list a mix of old and new models while they move.
         (directory / INDEX_FILE).unlink(missing_ok=True)
         paths = []

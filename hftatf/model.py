@@ -392,12 +392,13 @@ class FusedModel(Trainer, routing.LabelRouting, losses.PerModelLosses,
         see `hftatf.fuse.unfuse`."""
         return hooks.call("unfuse", self, compile=compile)
 
-    def export_models(self, directory, history=None, format=None):
+    def export_models(self, directory, history=None, format=None,
+                      verbose="auto"):
         """Writes each model as `.keras`, SavedModel, checkpoint (those the
         backend writes, by default) and metadata; see
         `hftatf.export.export_models`."""
         return hooks.call("export_models", self, directory, history=history,
-                          format=format)
+                          format=format, verbose=verbose)
 
     @classmethod
     def from_exported(cls, directory, **fuse_kwargs):

@@ -197,3 +197,11 @@ def test_models_holding_a_lambda_load_outside_safe_mode(tmp_path):
                                       expected[:, b])
     again = hftatf.export.from_exported(tmp_path, safe_mode=False)
     np.testing.assert_array_equal(again.predict(inputs, verbose=0), expected)
+
+
+def test_export_shows_its_progress_over_the_models(tmp_path, capsys):
+    array = hftatf.fuse(linear(), 3)
+    array.export_models(tmp_path / "shown", format=QUICK_FORMAT)
+    assert "3/3" in capsys.readouterr().out
+    array.export_models(tmp_path / "quiet", format=QUICK_FORMAT, verbose=0)
+    assert "3/3" not in capsys.readouterr().out

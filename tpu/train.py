@@ -449,7 +449,8 @@ def _report(plan, array, header):
         export_dir = pathlib.Path(config.export_dir)
         metrics = {key: values for key, values in history.items()
                    if key.rpartition("_")[0] not in columns}
-        hftatf.export.export_models(array, export_dir, history=metrics)
+        hftatf.export.export_models(array, export_dir, history=metrics,
+                                    verbose=min(config.verbose, 1))
     return Run(config=config, array=array, history=history, results=rows,
                best=best, best_by=best_by, model_dir=plan.model_dir,
                export_dir=export_dir, hyperparameters=plan.hyperparameters,
