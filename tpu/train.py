@@ -518,6 +518,20 @@ _RUN_SETTINGS = ("model", "model_args", "num_models", "learning_rate",
                  "schedule_args", "batch_size", "mixed_precision", "seed")
 
 
+def _setting_change(key, before, now):
+    """How setting `key` changed, in words short enough for one line at
+    B = 100 (a list by its first difference)."""
+    short = f"{key} {before!r}, now {now!r}"
+    if len(short) <= 100 or not (
+            isinstance(before, list) and isinstance(now, list)):
+        return short
+    if len(before) != len(now):
+        return f"{key} {len(before)} values, now {len(now)}"
+    first = next(i for i, (a, b) in enumerate(zip(before, now)) if a != b)
+    return (f"{key} {before[first]!r} for model {first}, now "
+            f"{now[first]!r} (of {len(now)} values)")
+
+
 def _check_resumed_config(config, model_dir, initial_epoch):
     """Refuses a run that resumes with other training settings than its
     own (`_RUN_SETTINGS`); warns where others changed."""
@@ -540,8 +554,8 @@ def _check_resumed_config(config, model_dir, initial_epoch):
             raise ConfigError(
                 f"--model_dir={model_dir} holds a run backed up at epoch "
                 f"{initial_epoch} that trained with other settings: "
-                + "; ".join(f"{key} {previous.get(key)!r}, now "
-                            f"{current[key]!r}" for key in fixed)
+                + "; ".join(_setting_change(key, previous.get(key),
+                                            current[key]) for key in fixed)
                 + ". Resumed, it would go on with its own and report "
                 "these. Resume it with its settings (--config_file="
                 f"{path}), or pass another --model_dir to start afresh.")
