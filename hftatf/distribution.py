@@ -156,3 +156,48 @@ def check_distribution(num_models):
             f"{distribution.model_devices} devices. Make the array and the "
             "distribution with the same number of models (a multiple of "
             "the model devices).")
+
+
+def check_batch_split(what, size, batch_size):
+    """Raises where the `keras.distribution` set splits each batch over
+    devices and a batch of `size` samples (`sample_count`; None where
+    unknown) in batches of `batch_size` (Keras's 32 by default) cannot be
+    split evenly over them. JAX would fail at that batch, a last partial
+    one after the others trained, with an error that names no fix."""
+    devices = _batch_devices(keras.distribution.distribution())
+    if devices <= 1 or size is None:
+        return
+    batch_size = batch_size or 32
+    last = size % batch_size
+    bad = (batch_size if batch_size % devices
+           else last if last % devices else None)
+    if bad is None:
+        return
+    raise ValueError(
+        f"The keras.distribution set splits each batch over {devices} "
+        f"devices, but {what} has a batch of {bad} samples ({size} samples "
+        f"in batches of {batch_size}), which cannot be split evenly. Use a "
+        f"batch_size that is a multiple of {devices} and a number of "
+        f"samples that leaves a last batch that is one too (or none), or "
+        "hftatf.distribution.ModelAxisParallel over all devices, which "
+        "splits the models instead of the batch.")
+
+
+def _batch_devices(distribution):
+    """Over how many devices `distribution` splits each batch (1 for
+    none)."""
+    mesh = getattr(distribution, "device_mesh", None)
+    name = getattr(distribution, "batch_dim_name", None)
+    if mesh is None or name not in mesh.axis_names:
+        return 1
+    return mesh.shape[mesh.axis_names.index(name)]
+
+
+def sample_count(x):
+    """The number of samples of array-like `x` (or a structure of them);
+    None for a dataset or generator, whose batches say it themselves."""
+    leaves = keras.tree.flatten(x) if x is not None else []
+    shape = getattr(leaves[0], "shape", None) if leaves else None
+    if shape is None or not len(shape) or shape[0] is None:
+        return None
+    return int(shape[0])

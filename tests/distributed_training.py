@@ -57,6 +57,28 @@ def main(case):
                 errors.append(str(error))
         print(json.dumps({"errors": errors}))
         return
+    if case == "partial_batch":
+        x = np.zeros((21, 6), "float32")
+        y = np.zeros((21,), "int32")
+        refusals = {}
+        with keras.distribution.DataParallel(devices=devices).scope():
+            array = hftatf.fuse(network(), B)
+            array.compile(hftatf.optimizers.SGD(0.1),
+                          loss="sparse_categorical_crossentropy")
+            before = [np.asarray(w) for w in array.get_weights()]
+            for name, call in (
+                    ("fit", lambda: array.fit(x, y, batch_size=8,
+                                              verbose=0)),
+                    ("predict", lambda: array.predict(x, batch_size=6,
+                                                      verbose=0))):
+                try:
+                    call()
+                except ValueError as error:
+                    refusals[name] = str(error)
+            untouched = all(np.array_equal(a, np.asarray(b)) for a, b in zip(
+                before, array.get_weights()))
+        print(json.dumps({"refusals": refusals, "untouched": untouched}))
+        return
     distribution = {
         "models": lambda: ModelAxisParallel(B, devices),
         "data": lambda: keras.distribution.DataParallel(devices=devices),

@@ -56,6 +56,16 @@ def test_a_model_count_the_devices_cannot_split_is_refused():
     assert "'auto' or 'data'" in errors[1]
 
 
+def test_batches_the_devices_cannot_split_are_refused_before_a_step():
+    report = run("partial_batch")
+    refusals = report["refusals"]
+    assert "a batch of 5 samples (21 samples in batches of 8)" in (
+        refusals["fit"])
+    assert "a batch of 6 samples" in refusals["predict"]
+    assert "over 4 devices" in refusals["predict"]
+    assert report["untouched"]
+
+
 def test_strategy_tpu_off_a_tpu_says_how_to_run_it():
     # JAX's hosts of a pod slice join before anything runs; on a machine
     # that is no TPU VM that fails, and the error names the way out.

@@ -21,6 +21,7 @@ Gradients are dense: stock Keras on JAX applies embedding gradients
 dense too.
 """
 
+import math
 import warnings
 
 import jax
@@ -30,7 +31,11 @@ from keras import ops
 from hftatf import passes
 from hftatf.core.axis import concat_models, take_models
 from hftatf.core.logs import expand_model_logs, host_values
-from hftatf.distribution import check_distribution
+from hftatf.distribution import (
+    check_batch_split,
+    check_distribution,
+    sample_count,
+)
 from hftatf.training.model_metrics import current_values
 
 # A copy of an array that the next step, which takes its state over, does
@@ -65,6 +70,39 @@ class JAXTrainer:
         """Whether a `keras.distribution` lays the array out over
         devices."""
         return keras.distribution.distribution() is not None
+
+    # Batches that a distribution cannot split are refused before any
+    # step (positions of Keras's arguments: x, y, batch_size, ...).
+    def fit(self, *args, **kwargs):
+        size = sample_count(_argument(args, kwargs, 0, "x"))
+        batch_size = _argument(args, kwargs, 2, "batch_size")
+        validation_batch_size = kwargs.get(
+            "validation_batch_size") or batch_size
+        split = _argument(args, kwargs, 6, "validation_split", 0.0) or 0.0
+        trained = size if size is None or not split else int(
+            math.floor(size * (1.0 - split)))  # As Keras splits arrays.
+        check_batch_split("fit", trained, batch_size)
+        if trained != size:
+            check_batch_split("fit's validation_split", size - trained,
+                              validation_batch_size)
+        validation = _argument(args, kwargs, 7, "validation_data")
+        if isinstance(validation, (tuple, list)) and validation:
+            check_batch_split("fit's validation_data",
+                              sample_count(validation[0]),
+                              validation_batch_size)
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        check_batch_split("evaluate",
+                          sample_count(_argument(args, kwargs, 0, "x")),
+                          _argument(args, kwargs, 2, "batch_size"))
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        check_batch_split("predict",
+                          sample_count(_argument(args, kwargs, 0, "x")),
+                          _argument(args, kwargs, 1, "batch_size"))
+        return super().predict(*args, **kwargs)
 
     def make_train_function(self, force=False):
         check_distribution(self.num_models)
@@ -340,3 +378,10 @@ class JAXTrainer:
         y_pred = keras.tree.map_structure(
             lambda *p: concat_models(list(p)), *preds)
         return y_pred, ops.concatenate(losses, axis=0), updated
+
+
+def _argument(args, kwargs, position, name, default=None):
+    """Argument `name` of a Keras `fit`, `evaluate` or `predict` call, at
+    `position` where given positionally."""
+    return args[position] if len(args) > position else kwargs.get(
+        name, default)
