@@ -320,10 +320,14 @@ def compile_stock_model(array, index, model):
         steps_per_execution=config.get("steps_per_execution", 1),
         jit_compile=config.get("jit_compile", "auto"),
         auto_scale_loss=config.get("auto_scale_loss", True))
+    # By path: the array may list its layers in another order than the
+    # stock model (which Keras orders by depth, raw operations counted).
+    stock_layers = dict(weighted_layers(model))
     fused = {id(stock): variable
-             for (_, layer), (_, stock_layer) in zip(
-                 weighted_layers(array), weighted_layers(model))
-             for variable, stock in zip(layer.weights, stock_layer.weights)}
+             for path, layer in weighted_layers(array)
+             if path in stock_layers
+             for variable, stock in zip(layer.weights,
+                                        stock_layers[path].weights)}
     missing = [v.path for v in model.trainable_variables
                if id(v) not in fused]
     if missing:

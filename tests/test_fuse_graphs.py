@@ -10,6 +10,7 @@ from keras import ops
 from testing import assert_close, compiled_call, trains_like_stock
 
 import hftatf
+from hftatf.graph import weighted_layers
 from hftatf.layers import FoldModelAxis, UnfoldModelAxis
 
 
@@ -518,3 +519,42 @@ def test_a_layer_run_per_model_gets_integer_inputs_and_unknown_sizes():
     x = [rng.normal(size=(8, 6, 4)).astype("float32"),
          rng.integers(0, 6, (8, 3)).astype("int32")]
     trains_like_stock(model, x, np.ones((8, 3, 2), "float32"))
+
+
+def test_optimizer_state_reaches_the_stock_models_layer_by_layer():
+    # keras.io's deep & cross pattern: raw operations on the cross path
+    # count towards the depth by which Keras orders the stock model's
+    # layers, so the array lists its layers in another order. The deep
+    # path's Dense has the cross path's shapes: a pairing by position
+    # would hand one layer's Adam moments to the other without an error.
+    width = 5
+
+    def build():
+        x0 = keras.Input((width,))
+        cross = x0
+        for _ in range(2):
+            cross = x0 * keras.layers.Dense(width)(cross) + cross
+        deep = x0
+        for _ in range(2):
+            deep = keras.layers.ReLU()(keras.layers.Dense(width)(deep))
+        return keras.Model(x0, keras.layers.Dense(1)(
+            keras.layers.concatenate([cross, deep])))
+
+    keras.utils.set_random_seed(0)
+    array = hftatf.fuse(build(), 2)
+    twins = array.unfuse(compile=False)
+    assert [layer.name for _, layer in weighted_layers(array)] != [
+        layer.name for _, layer in weighted_layers(twins[0])]
+    rng = np.random.default_rng(0)
+    x = rng.random((32, width)).astype("float32")
+    y = rng.random((32, 1)).astype("float32")
+    array.compile(hftatf.optimizers.Adam([1e-2, 3e-2]), loss="mse")
+    array.fit(x, y, epochs=2, batch_size=8, shuffle=False, verbose=0)
+    models = array.unfuse()
+    # One more epoch each way: the unfused models go on as in the array.
+    array.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    for b, model in enumerate(models):
+        model.fit(x, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+        for got, want in zip(model.get_weights(),
+                             array.unfuse(compile=False)[b].get_weights()):
+            assert_close(got, want, err_msg=f"model {b}")
