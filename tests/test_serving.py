@@ -100,6 +100,19 @@ def test_signatures_serve_every_layout_and_every_model(tmp_path):
         list(w.shape) for w in array.weights if w.dtype == "float32")
 
 
+def test_a_regressor_with_one_output_unit_is_served(tmp_path):
+    # A one-unit Dense computes with a gradient of hftatf's own, which the
+    # SavedModel traces with no op.
+    x = keras.Input((5,), name="x")
+    regressor = keras.Model(x, keras.layers.Dense(1)(
+        keras.layers.Dense(4, activation="relu")(x)))
+    array = hftatf.fuse(regressor, NUM_MODELS)
+    hftatf.export_serving(array, tmp_path / "serving")
+    served = load(tmp_path / "serving")
+    inputs = sample(np.random.default_rng(1), (6, 5))
+    assert_close(served.shared(inputs), array.predict(inputs, verbose=0))
+
+
 def test_loads_in_a_process_without_hftatf(tmp_path):
     models = [trained_like(cnn, seed) for seed in range(NUM_MODELS)]
     array = hftatf.fuse_models(models)

@@ -116,8 +116,12 @@ def _hold_gradient_in_graph(op, registry):
         op.graph._hftatf_gradients = {}
     op.graph._hftatf_gradients[name] = entry["type"]
 
+    held = weakref.ref(op.graph)
+
     def gradient(op, *upstream):
-        return op.graph._hftatf_gradients[name](op, *upstream)
+        # A SavedModel traces the gradients it saves with no op (None).
+        graph = held() if op is None else op.graph
+        return graph._hftatf_gradients[name](op, *upstream)
 
     registry._registry[name] = dict(entry, type=gradient)
     weakref.finalize(op.graph, registry._registry.pop, name, None)
