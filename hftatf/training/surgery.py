@@ -246,7 +246,9 @@ class Surgery:
         return array
 
     def get_model_weights(self, index):
-        """Model `index`'s slice of every weight, in `self.weights` order."""
+        """Model `index`'s slice of every weight, in `self.weights` order
+        (which may differ from a stock model's `get_weights()` order:
+        `stock_layer_paths`)."""
         (index,) = self._check_indices(index)
         return [ops.convert_to_numpy(w)[index] for w in self.weights]
 
@@ -266,6 +268,20 @@ class Surgery:
                     f"{stacked.shape[1:]}; received {np.shape(value)}.")
             stacked[index] = value
             variable.assign(stacked)
+
+    def stock_layer_paths(self):
+        """The paths (`hftatf.graph.weighted_layers`) of the array's layers
+        with weights, in the order a stock model of its architecture lists
+        them, which may differ from the array's: Keras orders a model's
+        layers by depth, raw operations counted. The array's own order
+        where it has no stock architecture."""
+        if getattr(self, "_stock_paths", None) is None:
+            source = (self if self._source_json is None
+                      else self.stock_model(safe_mode=False))
+            # Untracked by Keras: it is no state of the array's.
+            object.__setattr__(self, "_stock_paths", tuple(
+                path for path, _ in weighted_layers(source)))
+        return list(self._stock_paths)
 
     def stock_model(self, safe_mode=True):
         """A new stock model of the architecture this array was fused from

@@ -243,10 +243,13 @@ def reload(array, models, optimizers):
             "diverged model, or is of another type, or would build other "
             "variables (names or shapes) than theirs. Check "
             "`reusable(array, optimizers)` first.")
+    # The trial models' layers (named as each model was) in their stock
+    # order, which may differ from the array's.
+    fused = dict(weighted_layers(array))
     per_model = [weighted_layers(model) for model in models]
-    for position, (_, layer) in enumerate(weighted_layers(array)):
+    for position, path in enumerate(array.stock_layer_paths()):
         weights = [layers[position][1].get_weights() for layers in per_model]
-        layer.set_weights([np.stack(w) for w in zip(*weights)])
+        fused[path].set_weights([np.stack(w) for w in zip(*weights)])
     # Step counts, slots and hyper-parameter variables start anew.
     for old, new in zip(array.optimizer.variables, fresh.variables):
         old.assign(new)
@@ -288,9 +291,11 @@ def copy_model(source, index, target, slot):
 
 
 def stacked_weights(array):
-    """Every weighted layer's stacked weights, in layer order: read once,
-    sliced for each model by `set_model`."""
-    return [layer.get_weights() for _, layer in weighted_layers(array)]
+    """Every weighted layer's stacked weights, read once, in the order a
+    stock model of the array's architecture lists its layers
+    (`stock_layer_paths`): sliced for each model by `set_model`."""
+    fused = dict(weighted_layers(array))
+    return [fused[path].get_weights() for path in array.stock_layer_paths()]
 
 
 def set_model(model, stacked, index):

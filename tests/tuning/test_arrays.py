@@ -7,6 +7,7 @@ import pytest
 from testing import assert_close
 
 import hftatf
+from hftatf.graph import weighted_layers
 from hftatf.tuning import arrays
 
 RNG = np.random.default_rng(0)
@@ -286,3 +287,39 @@ def test_losses_and_metrics_not_registered_with_keras_train_as_stock():
     for _ in range(2):
         array.train_on_batch(X, Y)
     assert_array_holds(array, models)
+
+
+def deep_and_cross(seed):
+    """keras.io's deep & cross pattern: raw operations on the cross path
+    count towards the depth by which Keras orders the stock model's
+    layers, so the array lists them in another order; both paths' Dense
+    layers have one shape, so a pairing by position would go unseen."""
+    keras.utils.set_random_seed(seed)
+    x0 = keras.Input((6,))
+    cross = x0
+    for _ in range(2):
+        cross = x0 * keras.layers.Dense(6)(cross) + cross
+    deep = x0
+    for _ in range(2):
+        deep = keras.layers.ReLU()(keras.layers.Dense(6)(deep))
+    model = keras.Model(x0, keras.layers.Dense(3, activation="softmax")(
+        keras.layers.concatenate([cross, deep])))
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss="sparse_categorical_crossentropy")
+    return model
+
+
+def test_trial_models_are_read_and_written_layer_by_layer():
+    array = fused([deep_and_cross(seed) for seed in (0, 1)])
+    array.train_on_batch(X, Y)
+    stock_order = [path for path, _ in weighted_layers(deep_and_cross(0))]
+    assert [path for path, _ in weighted_layers(array)] != stock_order
+    new = [deep_and_cross(seed) for seed in (10, 11)]
+    arrays.reload(array, new, [arrays.trial_optimizer(m) for m in new])
+    for b, (got, model) in enumerate(zip(array.unfuse(compile=False), new)):
+        for ours, theirs in zip(got.get_weights(), model.get_weights()):
+            np.testing.assert_array_equal(ours, theirs, err_msg=f"model {b}")
+    target = deep_and_cross(9)
+    arrays.set_model(target, arrays.stacked_weights(array), 1)
+    for ours, theirs in zip(target.get_weights(), new[1].get_weights()):
+        np.testing.assert_array_equal(ours, theirs)
