@@ -27,7 +27,7 @@ import hftatf
 from hftatf import backup, distribute, report
 from hftatf import callbacks as fused_callbacks
 from hftatf.core import optional
-from hftatf.tpu import data, data_numpy, page, plots, results
+from hftatf.tpu import data, data_numpy, page, plots, results, resume
 from hftatf.tpu.backend import BACKENDS, check_backend, relaunch_for_backend
 from hftatf.tpu.builders import (  # noqa: F401
     build_model,
@@ -327,7 +327,8 @@ def _prepare(config):
     num_models, per_model, shared = config.array_plan()
     source = data.resolve(config, recipe)
     model_dir = pathlib.Path(config.model_dir)
-    initial_epoch = backed_up_epoch(model_dir / BACKUP_DIR, num_models)
+    initial_epoch = resume.backed_up_epoch(model_dir / BACKUP_DIR,
+                                           num_models)
     if config.deterministic and source.tf_data:
         # TensorFlow runs the input (and, on its backend, the array); the
         # NumPy input is deterministic as it is.
@@ -359,7 +360,7 @@ def _fit(plan, callbacks):
     """Writes the run's config, clears what a fresh run replaces, and
     trains the array of `plan`; returns it."""
     config, model_dir, inputs = plan.config, plan.model_dir, plan.inputs
-    _check_resumed_config(config, model_dir, plan.initial_epoch)
+    resume.check_resumed_config(config, model_dir, plan.initial_epoch)
     config.write(model_dir)
     results.trim_history(plan.history_path, plan.initial_epoch)
     if plan.initial_epoch == 0:
@@ -485,85 +486,6 @@ def make_strategy(config, num_models=1, tf_data=True):
             project=config.project, num_models=num_models)
     except ValueError as error:
         raise ConfigError(f"--strategy={config.strategy}: {error}") from None
-
-
-def backed_up_epoch(backup_dir, num_models):
-    """The epoch a run of `num_models` resumes at from the backup in
-    `backup_dir` (0 where there is none).
-
-    Raises:
-        ConfigError: for an unreadable backup, or one of another number of
-            models: before anything of the killed run (config, history) is
-            overwritten.
-    """
-    try:
-        metadata = backup.read_metadata(backup_dir)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    try:
-        backup.check_num_models(metadata, backup_dir, num_models)
-    except ValueError as error:
-        raise ConfigError(
-            f"{error} (Rerun with the killed run's settings, in its "
-            "config.yaml, or pass another --model_dir to start afresh.)"
-        ) from None
-    return 0 if metadata is None else metadata["epoch"]
-
-
-# What each model of a run trains with and on: a run resumed from its
-# backup keeps its optimizer's per-model values and its models, so these
-# cannot change there (its results would name values it did not train with).
-_RUN_SETTINGS = ("model", "model_args", "num_models", "learning_rate",
-                 "grid", "optimizer", "optimizer_args", "schedule",
-                 "schedule_args", "batch_size", "mixed_precision", "seed")
-
-
-def _setting_change(key, before, now):
-    """How setting `key` changed, in words short enough for one line at
-    B = 100 (a list by its first difference)."""
-    short = f"{key} {before!r}, now {now!r}"
-    if len(short) <= 100 or not (
-            isinstance(before, list) and isinstance(now, list)):
-        return short
-    if len(before) != len(now):
-        return f"{key} {len(before)} values, now {len(now)}"
-    first = next(i for i, (a, b) in enumerate(zip(before, now)) if a != b)
-    return (f"{key} {before[first]!r} for model {first}, now "
-            f"{now[first]!r} (of {len(now)} values)")
-
-
-def _check_resumed_config(config, model_dir, initial_epoch):
-    """Refuses a run that resumes with other training settings than its
-    own (`_RUN_SETTINGS`); warns where others changed."""
-    if not initial_epoch:
-        return
-    for name in ("config.yaml", "config.json"):
-        path = model_dir / name
-        if not path.exists():
-            continue
-        try:
-            previous = Config.from_dict(read_file(path), str(path))
-            previous = previous.resolved().to_dict()
-        except ValueError:
-            return
-        current = config.to_dict()
-        changed = sorted(key for key, value in current.items()
-                         if previous.get(key) != value)
-        fixed = [key for key in changed if key in _RUN_SETTINGS]
-        if fixed:
-            raise ConfigError(
-                f"--model_dir={model_dir} holds a run backed up at epoch "
-                f"{initial_epoch} that trained with other settings: "
-                + "; ".join(_setting_change(key, previous.get(key),
-                                            current[key]) for key in fixed)
-                + ". Resumed, it would go on with its own and report "
-                "these. Resume it with its settings (--config_file="
-                f"{path}), or pass another --model_dir to start afresh.")
-        if changed:
-            logging.warning(
-                "Resuming the run in %s with changed settings %s.",
-                model_dir, changed)
-        return
 
 
 def _label(row, columns):

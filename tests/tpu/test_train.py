@@ -16,7 +16,7 @@ from testing import Interrupt, assert_close
 from hftatf import report
 from hftatf.models import data as zoo_data
 from hftatf.tpu import config as config_module
-from hftatf.tpu import page, plots, results, train
+from hftatf.tpu import page, plots, results, resume, train
 from hftatf.tpu.config import Config, ConfigError
 
 FLAGS = train.FLAGS
@@ -294,12 +294,12 @@ def test_resuming_with_other_learning_rates_fails_before_writing(tmp_path):
 def test_a_long_list_that_changed_is_told_by_its_first_difference():
     # One line, however many models.
     rates = [0.01 * (b + 1) for b in range(100)]
-    assert train._setting_change(
+    assert resume._setting_change(
         "learning_rate", rates, rates[:7] + [0.5] + rates[8:]) == (
         "learning_rate 0.08 for model 7, now 0.5 (of 100 values)")
-    assert train._setting_change("learning_rate", rates, rates[:50]) == (
+    assert resume._setting_change("learning_rate", rates, rates[:50]) == (
         "learning_rate 100 values, now 50")
-    assert train._setting_change("seed", 0, 1) == "seed 0, now 1"
+    assert resume._setting_change("seed", 0, 1) == "seed 0, now 1"
 
 
 def test_a_rerun_of_the_written_config_exports_under_its_own_model_dir(
