@@ -123,8 +123,7 @@ def _spans_orders(history, name, num_models):
     span a factor of 100 or more: they read on a log axis."""
     values = [v for b in range(num_models)
               for v in history.get(f"{name}_{b}", []) if math.isfinite(v)]
-    return bool(values) and min(values) > 0 and max(values) >= 100 * min(
-        values)
+    return _span(values) >= 100
 
 
 def varied(columns):
@@ -138,9 +137,13 @@ def log_axis(name, values):
     """Whether `values` of hyper-parameter `name` read best on a log axis:
     rates, and positive values that span a factor of 10 or more."""
     values = [float(v) for v in values]
-    if min(values) <= 0:
-        return False
-    return "rate" in name or max(values) / min(values) >= 10
+    return _span(values) > 0 and ("rate" in name or _span(values) >= 10)
+
+
+def _span(values):
+    """The factor between the largest and smallest of positive `values`;
+    0 where they are not all positive (or there are none)."""
+    return max(values) / min(values) if values and min(values) > 0 else 0
 
 
 def plot_hyperparameters(rows, columns, path, best=None):

@@ -5,7 +5,7 @@ from keras import ops
 
 from hftatf.callbacks.base import PerModelMonitorCallback, per_model_arg
 from hftatf.core.compat import print_msg
-from hftatf.core.logs import set_weights_epoch
+from hftatf.core.logs import listed, set_weights_epoch
 
 
 class EarlyStopping(PerModelMonitorCallback):
@@ -172,10 +172,8 @@ class EarlyStopping(PerModelMonitorCallback):
         """Which best epochs `models` were restored to, in words."""
         if len(models) == 1:
             return f"its best epoch: {self.best_epoch[models[0]] + 1}"
-        epochs = ", ".join(f"{self.best_epoch[b] + 1}"
-                           for b in models[:_NAMED])
-        more = "" if len(models) <= _NAMED else ", ..."
-        return f"their best epochs: {epochs}{more}"
+        return "their best epochs: " + listed(
+            [str(self.best_epoch[b] + 1) for b in models])
 
     def _restored_text(self, models):
         """What restoring `models`, which stopped, is, in words."""
@@ -186,18 +184,11 @@ class EarlyStopping(PerModelMonitorCallback):
                 f"{self._epochs_text(models)}")
 
 
-# Models a message names one by one; the rest it counts.
-_NAMED = 8
-
-
 def _models(models):
-    """`models` (indices) in words: "model 3", "3 models: 0, 4, 7"."""
+    """`models` (indices) in words: "model 3", "3 models (0, 4, 7)"."""
     if len(models) == 1:
         return f"model {models[0]}"
-    named = ", ".join(str(b) for b in models[:_NAMED])
-    if len(models) > _NAMED:
-        named += f" and {len(models) - _NAMED} more"
-    return f"{len(models)} models ({named})"
+    return f"{len(models)} models ({listed([str(b) for b in models])})"
 
 
 def _model_weights(array, indices):

@@ -214,6 +214,19 @@ def as_given(value):
 _WEIGHTS_EPOCHS = "hftatf_weights_epochs"
 
 
+# Models a message names one by one; the rest it counts.
+NAMED_MODELS = 8
+
+
+def listed(texts, more=""):
+    """`texts` joined for a message, the first `NAMED_MODELS` named and
+    the rest counted ("0, 4, 7 and 12 more"), `more` after the count."""
+    named = ", ".join(texts[:NAMED_MODELS])
+    if len(texts) > NAMED_MODELS:
+        named += f" and {len(texts) - NAMED_MODELS} more{more}"
+    return named
+
+
 def set_weights_epoch(history, index, epoch):
     """Records in `history` (what `fit` returns) that model `index` holds
     the weights it had at the end of `epoch` (counted from 0)."""

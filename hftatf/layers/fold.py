@@ -225,9 +225,11 @@ class FusedFold(FusedForm, ModelActivityRegularization,
         of batch size 1), which folding would share between the models,
         or pads its output to the batch's longest text (a
         `TextVectorization` without `output_sequence_length`)."""
-        if isinstance(layer, keras.layers.TextVectorization) and (
-                layer.get_config()["output_mode"] == "int"
-                and layer.get_config()["output_sequence_length"] is None):
+        config = (layer.get_config()
+                  if isinstance(layer, keras.layers.TextVectorization)
+                  else {})
+        if (config.get("output_mode") == "int"
+                and config.get("output_sequence_length", 0) is None):
             return ("it pads each batch to the batch's longest text, so "
                     "folded, one model's sequences would take another's "
                     "length. Give it `output_sequence_length`, or apply it "

@@ -172,7 +172,7 @@ def load_saved_state(layer, state):
     as loading a saved model does: its variables, then its assets. Where
     it holds that state already (a vocabulary in its config, or none
     learned yet, which a lookup cannot load), it is left as it is."""
-    if state is None or _same_saved_state(saved_state(layer), state):
+    if state is None or _digest(saved_state(layer)) == _digest(state):
         return
     variables, files = state
     if variables:
@@ -189,9 +189,10 @@ def load_saved_state(layer, state):
 def saved_state_digest(layer):
     """A digest of `layer`'s `saved_state` (None for a layer that does not
     `keep_assets`): equal for layers that hold the same vocabulary."""
-    if not keeps_assets(layer):
-        return None
-    state = saved_state(layer)
+    return _digest(saved_state(layer)) if keeps_assets(layer) else None
+
+
+def _digest(state):
     if state is None:
         return "none yet"
     variables, files = state
@@ -202,13 +203,3 @@ def saved_state_digest(layer):
         digest.update(str(key).encode() + b"\0" + np.asarray(
             variables[key]).tobytes())
     return digest.hexdigest()
-
-
-def _same_saved_state(ours, theirs):
-    if ours is None or theirs is None:
-        return ours is theirs
-    (our_variables, our_files), (their_variables, their_files) = ours, theirs
-    return our_files == their_files and sorted(our_variables) == sorted(
-        their_variables) and all(
-            np.array_equal(our_variables[key], their_variables[key])
-            for key in our_variables)

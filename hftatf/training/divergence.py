@@ -16,6 +16,7 @@ from keras import ops
 from hftatf import sparse
 from hftatf.core import compat
 from hftatf.core.axis import select_models
+from hftatf.core.logs import listed
 
 
 class ModelStatus(keras.metrics.Metric):
@@ -277,10 +278,6 @@ class DivergenceReport(keras.callbacks.Callback):
             [bool(in_update[index]) for index in new]))
 
 
-# Models a divergence warning names one by one; the rest it counts.
-_NAMED = 8
-
-
 def divergence_report(name, epoch, models, steps, in_update):
     """The warning for `models` of array `name` that diverged in `epoch`
     (counted from 0), at `steps`, where `in_update` their optimizer's
@@ -295,12 +292,9 @@ def divergence_report(name, epoch, models, steps, in_update):
         return (f"Model {models[0]} of array '{name}' diverged at step "
                 f"{steps[0]}, in epoch {epoch + 1} ({how}). Its loss is "
                 "logged as NaN; the other models train on.")
-    named = ", ".join(f"{b} (step {step}{', *' if flag else ''})"
-                      for b, step, flag in list(zip(
-                          models, steps, in_update))[:_NAMED])
-    if len(models) > _NAMED:
-        named += (f" and {len(models) - _NAMED} more (`diverged_models` "
-                  "lists them all)")
+    named = listed([f"{b} (step {step}{', *' if flag else ''})"
+                    for b, step, flag in zip(models, steps, in_update)],
+                   more=" (`diverged_models` lists them all)")
     text = (f"{len(models)} models of array '{name}' diverged in epoch "
             f"{epoch + 1}: {named}. Each is frozen with its last finite "
             "weights (non-finite loss or gradient)")
